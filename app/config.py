@@ -1,0 +1,148 @@
+"""Settings: one frozen dataclass, read from the environment (the reference system's names where it
+had one) and overridden by command-line flags. Every default is defined here and nowhere else;
+`.env.example` lists the same names and values (a test keeps the two in step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from app.decisions.request import Limits
+from app.decisions.run import ReadSettings
+
+
+def _meta(env: str, help: str) -> dict:
+    return {"env": env, "help": help}
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = field(default="0.0.0.0", metadata=_meta("HOST", "interface the HTTP and HTTPS listeners bind"))
+    port: int = field(default=8011, metadata=_meta("STRUCTURED_PORT", "HTTP port"))
+    tls_port: int = field(default=0, metadata=_meta("TLS_PORT", "HTTPS port with a self-signed certificate; 0 = off"))
+    cert_dir: str = field(default="certs", metadata=_meta("CERT_DIR", "where the self-signed certificate lives"))
+    api_key: str = field(default="", metadata=_meta("API_KEY", "bearer token POST routes require; empty = open"))
+    model: str = field(default="", metadata=_meta(
+        "MODEL", "checkpoint directory or Hugging Face id; empty = $MODELS_DIR/$MODEL_NAME, else the tiny model"))
+    models_dir: str = field(default="./models", metadata=_meta("MODELS_DIR", "where checkpoints live"))
+    model_name: str = field(default="dgemma", metadata=_meta("MODEL_NAME", "checkpoint folder under MODELS_DIR"))
+    served_name: str = field(default="", metadata=_meta("SERVED_NAME", "model name in responses; empty = folder name"))
+    engine: str = field(default="hf", metadata=_meta("ENGINE", "hf (transformers), vllm (in-process) or remote"))
+    upstreams: str = field(default="", metadata=_meta("UPSTREAMS", "remote engine: comma-separated vllm serve URLs"))
+    device: str = field(default="auto", metadata=_meta("DEVICE", "auto, cpu, cuda or cuda:N"))
+    canvas: int = field(default=128, metadata=_meta("CANVAS", "widest canvas a read may use, in tokens"))
+    canvas_step: int = field(default=16, metadata=_meta("CANVAS_STEP", "canvas widths round up to this"))
+    thought_placement: str = field(default="prompt", metadata=_meta(
+        "THOUGHT_PLACEMENT", "prompt: the empty thought block ends the prompt; canvas: it opens the canvas"))
+    confidence: str = field(default="djev", metadata=_meta(
+        "CONFIDENCE", "djev: p of the answer; jev: Jev's concentration formulas"))
+    isolate: bool = field(default=False, metadata=_meta("ISOLATE", "1 reads every question in its own canvas"))
+    max_samples: int = field(default=32, metadata=_meta("MAX_SAMPLES", "cap on samples and auto_max"))
+    max_questions: int = field(default=256, metadata=_meta("MAX_QUESTIONS", "questions per request"))
+    max_body_bytes: int = field(default=32 * 1024 * 1024, metadata=_meta("MAX_BODY_BYTES", "request body limit"))
+    max_images: int = field(default=8, metadata=_meta("MAX_IMAGES", "images per request"))
+    max_image_bytes: int = field(default=8 * 1024 * 1024, metadata=_meta("MAX_IMAGE_BYTES", "bytes per image"))
+    max_total_image_bytes: int = field(default=24 * 1024 * 1024, metadata=_meta(
+        "MAX_TOTAL_IMAGE_BYTES", "bytes of all images of a request"))
+    max_image_pixels: int = field(default=40_000_000, metadata=_meta("MAX_IMAGE_PIXELS", "pixels per image"))
+    max_prompt_tokens: int = field(default=32768, metadata=_meta("MAX_PROMPT_TOKENS", "prompt tokens per read"))
+    max_inflight: int = field(default=256, metadata=_meta(
+        "MAX_INFLIGHT", "decisions at once; more get 529 with Retry-After"))
+    max_batch_rows: int = field(default=64, metadata=_meta("MAX_BATCH_ROWS", "canvases per decoder pass"))
+    kv_cache_entries: int = field(default=64, metadata=_meta("KV_CACHE_ENTRIES", "encoded prompts kept for reuse"))
+    pages: bool = field(default=True, metadata=_meta("TEST_PAGE", "1 serves the browser pages (/, /walk, /cube)"))
+    log_level: str = field(default="info", metadata=_meta("LOG_LEVEL", "debug, info, warning"))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Environment first, then explicit overrides (flags); a None override means 'not given'."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f.metadata["env"])
+            if raw is not None and raw.strip() != "":
+                values[f.name] = _convert(f, raw.strip())
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        problems = []
+        if self.engine not in ("hf", "vllm", "remote"):
+            problems.append(f"ENGINE must be hf, vllm or remote, not {self.engine!r}")
+        if self.thought_placement not in ("prompt", "canvas"):
+            problems.append(f"THOUGHT_PLACEMENT must be prompt or canvas, not {self.thought_placement!r}")
+        if self.confidence not in ("djev", "jev"):
+            problems.append(f"CONFIDENCE must be djev or jev, not {self.confidence!r}")
+        if not 16 <= self.canvas <= 4096:
+            problems.append(f"CANVAS must be 16 to 4096 tokens, not {self.canvas}")
+        if self.canvas_step < 1:
+            problems.append("CANVAS_STEP must be at least 1")
+        for name in ("max_samples", "max_questions", "max_body_bytes", "max_images", "max_image_bytes",
+                     "max_total_image_bytes", "max_image_pixels", "max_prompt_tokens", "max_inflight",
+                     "max_batch_rows"):
+            if getattr(self, name) < 1:
+                problems.append(f"{_env_name(name)} must be at least 1")
+        if self.engine == "remote" and not self.upstreams:
+            problems.append("ENGINE=remote needs UPSTREAMS")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def replace(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            max_questions=self.max_questions,
+            max_samples=self.max_samples,
+            max_images=self.max_images,
+            max_image_bytes=self.max_image_bytes,
+            max_total_image_bytes=self.max_total_image_bytes,
+            confidence=self.confidence,
+            isolate=self.isolate,
+        )
+
+    @property
+    def read_settings(self) -> ReadSettings:
+        return ReadSettings(
+            canvas_length=self.canvas,
+            canvas_step=self.canvas_step,
+            thought_in_prompt=self.thought_placement == "prompt",
+        )
+
+
+def _env_name(field_name: str) -> str:
+    return next(f.metadata["env"] for f in fields(Settings) if f.name == field_name)
+
+
+def _convert(f: dataclasses.Field, raw: str) -> Any:
+    kind = f.type if isinstance(f.type, type) else {"int": int, "bool": bool, "str": str}.get(str(f.type), str)
+    if kind is bool:
+        lowered = raw.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{f.metadata['env']} must be 1 or 0, not {raw!r}")
+    if kind is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{f.metadata['env']} must be an integer, not {raw!r}") from None
+    return raw
+
+
+def env_table() -> list[tuple[str, str, str]]:
+    """(variable, default, meaning) for every setting: the README and .env.example are built on it."""
+    rows = []
+    for f in fields(Settings):
+        default = f.default
+        if isinstance(default, bool):
+            default = "1" if default else "0"
+        rows.append((f.metadata["env"], str(default), f.metadata["help"]))
+    return rows

@@ -1,0 +1,181 @@
+"""Answer templates: the answer text with every question at a label, tokenized, and the one token
+position (the slot) where each question's label goes.
+
+Two formats (the reference's): `lines` ("q1: yes" per line) up to ten questions, and the compact
+`indexed` ("q1yes q2B ...", about 3 tokens a question) past ten. A label must be exactly one token
+at its slot; every alternative of a question must change that one position and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from app.decisions.errors import RequestError
+from app.engine.base import ChatTokenizer
+
+LINES = "lines"
+INDEXED = "indexed"
+JOIN = {LINES: "\n", INDEXED: " "}
+LINES_MAX_QUESTIONS = 10
+
+REPLY_INSTRUCTION = {
+    LINES: 'Reply with one line per question, in this order, formatted as "id: label".',
+    INDEXED: (
+        "Reply on one line with each question's id immediately followed by its label, "
+        "separated by single spaces."
+    ),
+}
+
+
+def answer_format(question_count: int) -> str:
+    return LINES if question_count <= LINES_MAX_QUESTIONS else INDEXED
+
+
+def answer_item(model_id: str, label: str, fmt: str) -> str:
+    return f"{model_id}: {label}" if fmt == LINES else f"{model_id}{label}"
+
+
+def answer_text(items: Sequence[tuple[str, str]], fmt: str) -> str:
+    return JOIN[fmt].join(answer_item(model_id, label, fmt) for model_id, label in items)
+
+
+@dataclass(frozen=True)
+class TemplateItem:
+    qid: str
+    model_id: str
+    labels: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Template:
+    """Head plus answer tokens. The canvas is these, then `<turn|>`, then padding."""
+
+    ids: tuple[int, ...]
+    slots: tuple[int, ...]  # canvas positions, in item order
+    label_ids: tuple[tuple[int, ...], ...]
+
+    @property
+    def rows(self) -> int:
+        return len(self.ids) + 1
+
+
+@dataclass(frozen=True)
+class _Body:
+    ids: tuple[int, ...]
+    slots: tuple[int, ...]
+    label_ids: tuple[tuple[int, ...], ...]
+
+
+class Templates:
+    """Templates and label alphabets for one tokenizer, with a bounded cache."""
+
+    def __init__(self, tokenizer: ChatTokenizer, cache_size: int = 4096) -> None:
+        self.tokenizer = tokenizer
+        self.cache_size = cache_size
+        self._bodies: OrderedDict[tuple, _Body] = OrderedDict()
+        self._alphabets: dict[tuple, tuple[str, ...]] = {}
+
+    # ------------------------------------------------------------------ labels
+
+    def labels(self, candidates: tuple[str, ...], count: int, fmt: str) -> tuple[str, ...]:
+        """The first `count` candidates that are one token at a slot for this tokenizer."""
+        alphabet = self._alphabet(candidates, fmt)
+        return alphabet[:count]
+
+    def _alphabet(self, candidates: tuple[str, ...], fmt: str) -> tuple[str, ...]:
+        key = (candidates, fmt)
+        if key not in self._alphabets:
+            self._alphabets[key] = self._verify_alphabet(candidates, fmt)
+        return self._alphabets[key]
+
+    def _verify_alphabet(self, candidates: tuple[str, ...], fmt: str) -> tuple[str, ...]:
+        """Keep the candidates that differ from a reference candidate at exactly one token, at the
+        same position, in a probe template. The reference is the first candidate that works."""
+        encode = self.tokenizer.encode
+        for base in candidates[:8]:
+            def probe(label: str) -> list[int]:
+                return encode(answer_text([("q9", label), ("q10", base)], fmt))
+
+            base_ids = probe(base)
+            kept = [base]
+            slot = None
+            for candidate in candidates:
+                if candidate == base:
+                    continue
+                ids = probe(candidate)
+                if len(ids) != len(base_ids):
+                    continue
+                diffs = [i for i, (a, b) in enumerate(zip(ids, base_ids)) if a != b]
+                if len(diffs) != 1 or (slot is not None and diffs[0] != slot):
+                    continue
+                slot = diffs[0]
+                kept.append(candidate)
+            if len(kept) > 1:
+                order = {label: index for index, label in enumerate(candidates)}
+                return tuple(sorted(kept, key=order.__getitem__))
+        return ()
+
+    # ------------------------------------------------------------------ templates
+
+    def rows(self, head_length: int, lead: str, fmt: str, items: Sequence[TemplateItem]) -> int:
+        """Canvas rows a group needs (head + answer + end token), without resolving slots."""
+        text = lead + answer_text([(item.model_id, item.labels[0]) for item in items], fmt)
+        return head_length + len(self.tokenizer.encode(text)) + 1
+
+    def resolve(self, head: Sequence[int], lead: str, fmt: str, items: Sequence[TemplateItem]) -> Template:
+        body = self._body(lead, fmt, tuple(items))
+        offset = len(head)
+        return Template(
+            ids=tuple(head) + body.ids,
+            slots=tuple(slot + offset for slot in body.slots),
+            label_ids=body.label_ids,
+        )
+
+    def _body(self, lead: str, fmt: str, items: tuple[TemplateItem, ...]) -> _Body:
+        key = (lead, fmt, items)
+        cached = self._bodies.get(key)
+        if cached is not None:
+            self._bodies.move_to_end(key)
+            return cached
+        body = self._find_slots(lead, fmt, items)
+        self._bodies[key] = body
+        while len(self._bodies) > self.cache_size:
+            self._bodies.popitem(last=False)
+        return body
+
+    def _find_slots(self, lead: str, fmt: str, items: tuple[TemplateItem, ...]) -> _Body:
+        encode = self.tokenizer.encode
+        firsts = [(item.model_id, item.labels[0]) for item in items]
+        base = tuple(encode(lead + answer_text(firsts, fmt)))
+        slots: list[int] = []
+        label_ids: list[tuple[int, ...]] = []
+        for index, item in enumerate(items):
+            slot: int | None = None
+            ids_for_labels: list[int] = []
+            for label in item.labels[1:]:
+                changed = list(firsts)
+                changed[index] = (item.model_id, label)
+                ids = encode(lead + answer_text(changed, fmt))
+                if len(ids) != len(base):
+                    raise RequestError(
+                        f"question '{item.qid}': label '{label}' is not a single token", ("questions", item.qid)
+                    )
+                diffs = [i for i, (a, b) in enumerate(zip(ids, base)) if a != b]
+                if len(diffs) != 1 or (slot is not None and diffs[0] != slot):
+                    raise RequestError(
+                        f"question '{item.qid}': labels do not share one template slot", ("questions", item.qid)
+                    )
+                slot = diffs[0]
+                ids_for_labels.append(ids[slot])
+            if slot is None:  # a single-label question cannot be located; validation prevents it
+                raise RequestError(f"question '{item.qid}': needs at least two alternatives", ("questions", item.qid))
+            family = (base[slot], *ids_for_labels)
+            if len(set(family)) != len(family):
+                raise RequestError(
+                    f"question '{item.qid}': two labels tokenize to the same id", ("questions", item.qid)
+                )
+            slots.append(slot)
+            label_ids.append(family)
+        return _Body(ids=base, slots=tuple(slots), label_ids=tuple(label_ids))

@@ -1,0 +1,230 @@
+"""Request bodies: size limit before parsing, Content-Encoding, strict JSON, multipart forms.
+
+Bad input here is always a 4xx that says what was wrong: 413 past the size limit (checked on
+Content-Length before anything is read, and again while reading and decompressing), 415 for a
+media type or content encoding we do not read, 400 for a body that does not parse.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import Request
+
+from app.engine.base import ImageInput
+from app.web.errors import HTTPError
+
+JSON_TYPES = ("application/json", "text/json", "text/plain", "application/x-www-form-urlencoded", "")
+MAX_JSON_DEPTH = 64
+
+
+def _too_large(limit: int) -> HTTPError:
+    return HTTPError(413, f"body: larger than this server's limit of {limit} bytes", param="body")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise _too_large(limit)
+        except ValueError:
+            raise HTTPError(400, "body: Content-Length is not a number", param="body") from None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    return decode_content(data, request.headers.get("content-encoding", ""), limit)
+
+
+def decode_content(data: bytes, encoding: str, limit: int) -> bytes:
+    """Undo Content-Encoding (gzip, deflate, zstd; newer official clients send zstd bodies of 1 KiB
+    and more), refusing anything that inflates past the body limit."""
+    for coding in reversed([c.strip().lower() for c in encoding.split(",") if c.strip()]):
+        if coding == "identity":
+            continue
+        if coding in ("gzip", "x-gzip", "deflate"):
+            wbits = 16 + zlib.MAX_WBITS if coding != "deflate" else zlib.MAX_WBITS
+            try:
+                inflater = zlib.decompressobj(wbits)
+                out = inflater.decompress(data, limit + 1)
+                if inflater.unconsumed_tail:
+                    raise _too_large(limit)
+                out += inflater.flush()
+            except zlib.error as exc:
+                raise HTTPError(400, f"body: the {coding} data does not decompress ({exc})", param="body") from None
+            data = out
+        elif coding == "zstd":
+            import io
+
+            import zstandard
+
+            try:
+                reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data))
+                out = reader.read(limit + 1)
+            except zstandard.ZstdError as exc:
+                raise HTTPError(400, f"body: the zstd data does not decompress ({exc})", param="body") from None
+            data = out
+        else:
+            raise HTTPError(415, f"body: Content-Encoding '{coding}' is not supported (gzip, deflate, zstd)",
+                            param="content-encoding")
+        if len(data) > limit:
+            raise _too_large(limit)
+    return data
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r} in an object")
+        out[key] = value
+    return out
+
+
+def _depth(value: Any, limit: int) -> int:
+    stack = [(value, 1)]
+    deepest = 0
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def parse_json(data: bytes, where: str = "body") -> Any:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HTTPError(400, f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})", param=where) from None
+    if not text.strip():
+        raise HTTPError(400, f"{where}: empty; send a JSON object with state and questions", param=where)
+    try:
+        value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise HTTPError(400, f"{where}: JSON nested too deeply", param=where) from None
+    except ValueError as exc:
+        raise HTTPError(400, f"{where}: not valid JSON ({exc})", param=where) from None
+    if _depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise HTTPError(400, f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels", param=where)
+    return value
+
+
+@dataclass
+class Part:
+    name: str
+    filename: str | None
+    content_type: str
+    data: bytearray = field(default_factory=bytearray)
+
+
+def parse_multipart(data: bytes, content_type: str, max_parts: int = 64) -> list[Part]:
+    _, params = parse_options_header(content_type)
+    boundary = params.get(b"boundary")
+    if not boundary:
+        raise HTTPError(400, "body: multipart/form-data without a boundary", param="content-type")
+    parts: list[Part] = []
+    headers: dict[bytes, bytes] = {}
+    current: dict[str, Any] = {"field": b"", "value": b""}
+
+    def on_part_begin() -> None:
+        headers.clear()
+
+    def on_header_field(buf: bytes, start: int, end: int) -> None:
+        current["field"] += buf[start:end]
+
+    def on_header_value(buf: bytes, start: int, end: int) -> None:
+        current["value"] += buf[start:end]
+
+    def on_header_end() -> None:
+        headers[current["field"].strip().lower()] = current["value"].strip()
+        current["field"], current["value"] = b"", b""
+
+    def on_headers_finished() -> None:
+        if len(parts) >= max_parts:
+            raise HTTPError(400, f"body: at most {max_parts} multipart parts", param="body")
+        _, disposition = parse_options_header(headers.get(b"content-disposition", b""))
+        name = disposition.get(b"name", b"").decode("utf-8", "replace")
+        filename = disposition.get(b"filename")
+        part_type = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        parts.append(Part(name=name, filename=filename.decode("utf-8", "replace") if filename else None,
+                          content_type=part_type))
+
+    def on_part_data(buf: bytes, start: int, end: int) -> None:
+        parts[-1].data += buf[start:end]
+
+    parser = MultipartParser(boundary, {
+        "on_part_begin": on_part_begin,
+        "on_header_field": on_header_field,
+        "on_header_value": on_header_value,
+        "on_header_end": on_header_end,
+        "on_headers_finished": on_headers_finished,
+        "on_part_data": on_part_data,
+    })
+    try:
+        parser.write(data)
+        parser.finalize()
+    except HTTPError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the parser's errors are the client's malformed form
+        raise HTTPError(400, f"body: malformed multipart form ({exc})", param="body") from None
+    return parts
+
+
+@dataclass
+class Payload:
+    body: Any
+    images: list[ImageInput]
+    parts: list[Part]
+
+
+async def read_payload(request: Request, limit: int) -> Payload:
+    """The JSON body and any multipart image parts, in order."""
+    content_type = request.headers.get("content-type", "")
+    media = content_type.split(";")[0].strip().lower()
+    data = await read_body(request, limit)
+    if media == "multipart/form-data":
+        return payload_from_parts(parse_multipart(data, content_type))
+    if media in JSON_TYPES or media.endswith("+json"):
+        return Payload(body=parse_json(data), images=[], parts=[])
+    raise HTTPError(415, f"body: Content-Type '{media}' is not supported; send application/json or "
+                         "multipart/form-data", param="content-type")
+
+
+def payload_from_parts(parts: list[Part]) -> Payload:
+    """A `request` part holds the JSON body; every image part is an image, in order, any name.
+    Parts named asset-N (the official client's form) are images referenced by the body's `assets`."""
+    body: Any = None
+    images: list[ImageInput] = []
+    for part in parts:
+        if part.name == "request":
+            body = parse_json(bytes(part.data), where="request")
+        elif part.content_type.startswith("image/") or (
+            part.name.startswith("asset-") and part.content_type in ("application/octet-stream", "")
+        ):
+            if not part.data:
+                raise HTTPError(422, f"part '{part.name}': the image is empty", param=part.name, loc=(part.name,))
+            images.append(ImageInput(data=bytes(part.data), content_type=part.content_type or "application/octet-stream",
+                                     source=part.name or "image"))
+        else:
+            raise HTTPError(400, f"part '{part.name}': neither the request JSON nor an image", param=part.name)
+    if body is None:
+        raise HTTPError(400, "multipart needs a part named request holding the JSON body", param="request")
+    return Payload(body=body, images=images, parts=parts)
