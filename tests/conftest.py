@@ -26,14 +26,19 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-@pytest.fixture(scope="session")
+def make_tiny_reader(tiny_dir: Path, **options):
+    """A fresh reader on the tiny checkpoint: a reader belongs to one event loop (one app)."""
+    return load_hf_reader(tiny_dir, HFOptions(device="cpu", tiny=True, served_name=TINY_MODEL_NAME, **options))
+
+
+@pytest.fixture
 def tiny_reader(tiny_dir: Path):
-    return load_hf_reader(tiny_dir, HFOptions(device="cpu", tiny=True, served_name=TINY_MODEL_NAME))
+    return make_tiny_reader(tiny_dir)
 
 
 @pytest.fixture(scope="session")
-def tokenizer(tiny_reader):
-    return tiny_reader.tokenizer
+def tokenizer(tiny_dir: Path):
+    return make_tiny_reader(tiny_dir).tokenizer
 
 
 @pytest.fixture

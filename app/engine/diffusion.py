@@ -86,7 +86,8 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 def gumbel_argmax(scaled: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """A sample from softmax(scaled) per row (Gumbel-max), drawn from a seeded generator."""
     uniform = torch.rand(scaled.shape, generator=generator, device=scaled.device, dtype=torch.float32)
-    gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)).clamp_min(1e-20))
+    exponential = (-torch.log(uniform.clamp_min(1e-20))).clamp_min(1e-20)
+    gumbel = -torch.log(exponential)
     return torch.argmax(scaled + gumbel, dim=-1)
 
 

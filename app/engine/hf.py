@@ -131,6 +131,7 @@ class HFReader:
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._carry: _Job | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def stats(self) -> dict[str, int]:
@@ -141,14 +142,19 @@ class HFReader:
         return self._task is not None and not self._task.done()
 
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
         if self._task is not None:
+            if self._event_loop is not loop:
+                raise RuntimeError("this reader already runs in another event loop; give each app its own reader")
             return
+        self._event_loop = loop
         self._queue = asyncio.Queue(maxsize=self.options.queue_limit)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="djev-engine")
         self._task = asyncio.create_task(self._loop(), name="djev-batching-loop")
 
     async def stop(self) -> None:
         task, self._task = self._task, None
+        self._event_loop = None
         if task is not None:
             task.cancel()
             try:
