@@ -28,7 +28,7 @@ from app.decisions.errors import RequestError
 from app.decisions.request import Decision
 from app.decisions.run import Decider
 from app.engine.base import EngineError, EngineInputError, EngineUnavailable, Reader
-from app.web import systemone
+from app.web import pages, stream, systemone
 from app.web.admission import Admission
 from app.web.auth import check_authorization
 from app.web.errors import HTTPError, json_response
@@ -48,6 +48,7 @@ class Services:
     decider: Decider
     admission: Admission
     started: float = field(default_factory=time.time)
+    sessions: dict[str, Any] = field(default_factory=dict)  # open /v1/stream sessions by id
 
     def check_images(self, decision: Decision) -> None:
         check_images(decision.images, self.settings.max_image_pixels)
@@ -128,6 +129,7 @@ async def health(request: Request) -> Response:
         "tiny": info.tiny,
         "canvas": info.canvas_length,
         "in_flight": svc.admission.in_flight,
+        "sessions": len(svc.sessions),
         "uptime_s": round(time.time() - svc.started, 1),
     }
     if info.tiny:
@@ -154,7 +156,13 @@ def create_app(settings: Settings, reader: Reader, extra_routes: list | None = N
         finally:
             await reader.stop()
 
-    routes: list[Any] = [Route("/health", health, methods=["GET"]), *systemone.routes, *(extra_routes or [])]
+    routes: list[Any] = [
+        Route("/health", health, methods=["GET"]),
+        *systemone.routes,
+        *stream.routes,
+        *(pages.routes if settings.pages else []),
+        *(extra_routes or []),
+    ]
     app = Starlette(
         routes=routes,
         lifespan=lifespan,

@@ -12,7 +12,7 @@ import binascii
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from app.decisions.errors import RequestError
 from app.decisions.plan import stages
@@ -108,13 +108,21 @@ def _int_field(body: dict, key: str, message: str, low: int | None = None, high:
     return value
 
 
-def parse_decision(body: Any, limits: Limits = Limits(), images: Sequence[ImageInput] = ()) -> Decision:
-    """Validate a request body. `images` are the multipart image parts, which come first."""
+def parse_decision(
+    body: Any,
+    limits: Limits = Limits(),
+    images: Sequence[ImageInput] = (),
+    assets: Mapping[str, ImageInput] | None = None,
+) -> Decision:
+    """Validate a request body. `images` are the multipart image parts, which come first; `assets`
+    are the official client's asset-N parts, which the body's `assets` map names."""
     if not isinstance(body, dict):
         raise RequestError("body: must be a JSON object with state and questions", ())
     unknown = [key for key in body if key not in TOP_LEVEL_KEYS]
     if unknown:
         raise RequestError(f"unknown field '{unknown[0]}'", (unknown[0],), kind="extra_forbidden")
+    asset_images, body = _resolve_assets(body, assets or {}, first_number=len(images) + 1)
+    images = tuple(images) + asset_images
 
     questions = _parse_questions(body.get("questions"), limits)
     options = _parse_options(body, questions, limits)
@@ -280,6 +288,51 @@ def _parse_options(body: dict, questions: tuple[Question, ...], limits: Limits) 
         raise RequestError('schema: confidence must be "djev" (probability of the answer) or "jev"', ("confidence",))
     options["confidence"] = confidence
     return options
+
+
+# The official client's image references: `<image:32 hex>` in any text of the body.
+_REFERENCE = re.compile(r"<image:[0-9a-f]{32}>")
+
+
+def _resolve_assets(
+    body: dict, parts: Mapping[str, ImageInput], first_number: int
+) -> tuple[tuple[ImageInput, ...], dict]:
+    """The images of the body's `assets` map, in map order, and the body with each `<image:...>`
+    reference in its text replaced by "[image N]" (images sit ahead of the state in the prompt)."""
+    raw = body.get("assets")
+    if raw is None:
+        if parts:
+            raise RequestError(f"part '{next(iter(parts))}': an asset part, but the request has no assets map", ("assets",))
+        return (), body
+    if not isinstance(raw, dict):
+        raise RequestError("assets: must map a reference to {\"type\": \"image\", \"part\": \"asset-N\"}", ("assets",))
+    images: list[ImageInput] = []
+    numbers: dict[str, str] = {}
+    used: set[str] = set()
+    for key, entry in raw.items():
+        if not isinstance(entry, dict) or entry.get("type") != "image" or not isinstance(entry.get("part"), str):
+            raise RequestError(f"assets['{key}']: must be {{\"type\": \"image\", \"part\": \"asset-N\"}}", ("assets", key))
+        part = entry["part"]
+        if part not in parts:
+            raise RequestError(f"assets['{key}']: the request has no part '{part}'", ("assets", key))
+        used.add(part)
+        images.append(parts[part])
+        numbers[key] = f"[image {first_number + len(images) - 1}]"
+    unused = [name for name in parts if name not in used]
+    if unused:
+        raise RequestError(f"part '{unused[0]}': not named in the assets map", ("assets",))
+
+    def replace(value: Any) -> Any:
+        if isinstance(value, str):
+            return _REFERENCE.sub(lambda m: numbers.get(m.group(0), m.group(0)), value)
+        if isinstance(value, list):
+            return [replace(v) for v in value]
+        if isinstance(value, dict):
+            return {k: replace(v) for k, v in value.items()}
+        return value
+
+    rewritten = {key: (value if key in ("assets", "images") else replace(value)) for key, value in body.items()}
+    return tuple(images), rewritten
 
 
 _DATA_URL = re.compile(r"^data:(image/[A-Za-z0-9.+-]+)(?:;[^,;]*)*;base64,", re.IGNORECASE)

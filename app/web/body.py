@@ -191,40 +191,45 @@ def parse_multipart(data: bytes, content_type: str, max_parts: int = 64) -> list
 @dataclass
 class Payload:
     body: Any
-    images: list[ImageInput]
-    parts: list[Part]
+    images: list[ImageInput]  # image parts, in order
+    assets: dict[str, ImageInput]  # the official client's asset-N parts, by part name
 
 
 async def read_payload(request: Request, limit: int) -> Payload:
-    """The JSON body and any multipart image parts, in order."""
+    """The JSON body and any multipart image parts."""
     content_type = request.headers.get("content-type", "")
     media = content_type.split(";")[0].strip().lower()
     data = await read_body(request, limit)
     if media == "multipart/form-data":
         return payload_from_parts(parse_multipart(data, content_type))
     if media in JSON_TYPES or media.endswith("+json"):
-        return Payload(body=parse_json(data), images=[], parts=[])
+        return Payload(body=parse_json(data), images=[], assets={})
     raise HTTPError(415, f"body: Content-Type '{media}' is not supported; send application/json or "
                          "multipart/form-data", param="content-type")
 
 
 def payload_from_parts(parts: list[Part]) -> Payload:
-    """A `request` part holds the JSON body; every image part is an image, in order, any name.
-    Parts named asset-N (the official client's form) are images referenced by the body's `assets`."""
+    """A `request` part holds the JSON body; every image part is an image, in order, whatever its
+    name (what curl -F and browser FormData send). Parts named asset-N are the official client's
+    form: images the body's `assets` map refers to (they may come as application/octet-stream)."""
     body: Any = None
     images: list[ImageInput] = []
+    assets: dict[str, ImageInput] = {}
     for part in parts:
+        is_asset = part.name.startswith("asset-")
         if part.name == "request":
             body = parse_json(bytes(part.data), where="request")
-        elif part.content_type.startswith("image/") or (
-            part.name.startswith("asset-") and part.content_type in ("application/octet-stream", "")
-        ):
+        elif part.content_type.startswith("image/") or (is_asset and part.content_type in ("application/octet-stream", "")):
             if not part.data:
                 raise HTTPError(422, f"part '{part.name}': the image is empty", param=part.name, loc=(part.name,))
-            images.append(ImageInput(data=bytes(part.data), content_type=part.content_type or "application/octet-stream",
-                                     source=part.name or "image"))
+            image = ImageInput(data=bytes(part.data), content_type=part.content_type or "application/octet-stream",
+                               source=f"part '{part.name or 'image'}'")
+            if is_asset:
+                assets[part.name] = image
+            else:
+                images.append(image)
         else:
             raise HTTPError(400, f"part '{part.name}': neither the request JSON nor an image", param=part.name)
     if body is None:
         raise HTTPError(400, "multipart needs a part named request holding the JSON body", param="request")
-    return Payload(body=body, images=images, parts=parts)
+    return Payload(body=body, images=images, assets=assets)

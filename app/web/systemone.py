@@ -57,7 +57,7 @@ async def systemone(request: Request) -> Response:
     svc = services(request)
     payload = await read_payload(request, svc.settings.max_body_bytes)
     try:
-        decision = parse_decision(payload.body, svc.settings.limits, images=payload.images)
+        decision = parse_decision(payload.body, svc.settings.limits, images=payload.images, assets=payload.assets)
     except RequestError as exc:
         raise HTTPError.from_request_error(exc) from None
     svc.check_images(decision)
