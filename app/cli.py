@@ -109,8 +109,6 @@ def _gpu_available() -> bool:
 
 
 def build_reader(settings: Settings):
-    if settings.engine != "hf":
-        raise CheckpointError(f"engine {settings.engine!r} is not available in this build; use --engine hf")
     from app.engine.hf import HFOptions, load_hf_reader
     from app.engine.tiny import TINY_MODEL_NAME
 

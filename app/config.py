@@ -14,6 +14,10 @@ from app.decisions.request import Limits
 from app.decisions.run import ReadSettings
 
 
+# The engines this build has. (DESIGN.md plans vllm and remote readers behind the same Reader protocol.)
+ENGINES = ("hf",)
+
+
 def _meta(env: str, help: str) -> dict:
     return {"env": env, "help": help}
 
@@ -30,8 +34,7 @@ class Settings:
     models_dir: str = field(default="./models", metadata=_meta("MODELS_DIR", "where checkpoints live"))
     model_name: str = field(default="dgemma", metadata=_meta("MODEL_NAME", "checkpoint folder under MODELS_DIR"))
     served_name: str = field(default="", metadata=_meta("SERVED_NAME", "model name in responses; empty = folder name"))
-    engine: str = field(default="hf", metadata=_meta("ENGINE", "hf (transformers), vllm (in-process) or remote"))
-    upstreams: str = field(default="", metadata=_meta("UPSTREAMS", "remote engine: comma-separated vllm serve URLs"))
+    engine: str = field(default="hf", metadata=_meta("ENGINE", "hf: transformers DiffusionGemma in this process"))
     device: str = field(default="auto", metadata=_meta("DEVICE", "auto, cpu, cuda or cuda:N"))
     canvas: int = field(default=128, metadata=_meta("CANVAS", "widest canvas a read may use, in tokens"))
     canvas_step: int = field(default=16, metadata=_meta("CANVAS_STEP", "canvas widths round up to this"))
@@ -72,8 +75,8 @@ class Settings:
 
     def validate(self) -> None:
         problems = []
-        if self.engine not in ("hf", "vllm", "remote"):
-            problems.append(f"ENGINE must be hf, vllm or remote, not {self.engine!r}")
+        if self.engine not in ENGINES:
+            problems.append(f"ENGINE must be one of {', '.join(ENGINES)}, not {self.engine!r}")
         if self.thought_placement not in ("prompt", "canvas"):
             problems.append(f"THOUGHT_PLACEMENT must be prompt or canvas, not {self.thought_placement!r}")
         if self.confidence not in ("djev", "jev"):
@@ -87,8 +90,6 @@ class Settings:
                      "max_batch_rows"):
             if getattr(self, name) < 1:
                 problems.append(f"{_env_name(name)} must be at least 1")
-        if self.engine == "remote" and not self.upstreams:
-            problems.append("ENGINE=remote needs UPSTREAMS")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -146,3 +147,16 @@ def env_table() -> list[tuple[str, str, str]]:
             default = "1" if default else "0"
         rows.append((f.metadata["env"], str(default), f.metadata["help"]))
     return rows
+
+
+def render_env_example() -> str:
+    """The text of .env.example (kept equal to it by a test)."""
+    lines = [
+        "# djev settings. Every variable is optional; the values below are the defaults.",
+        "# Flags of `djev serve` override these (see `djev serve --help`).",
+        "",
+    ]
+    for env, default, meaning in env_table():
+        lines.append(f"# {meaning}")
+        lines.append(f"{env}={default}")
+    return "\n".join(lines) + "\n"

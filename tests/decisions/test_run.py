@@ -298,3 +298,77 @@ def test_usage_counts_one_read_of_rows_per_group(scripted, tokenizer):
     assert outcome.output_tokens == rows
     assert outcome.input_tokens == PROMPT_TOKENS
     assert math.isfinite(outcome.diagnostics["timing"]["total_ms"])
+
+
+# --------------------------------------------------------------------------- images (§11, T11, T17)
+
+def image_inputs(n=1):
+    from app.engine.base import ImageInput
+
+    return tuple(ImageInput(data=b"png-%d" % i, content_type="image/png", source=f"part 'photo{i}'") for i in range(n))
+
+
+def decide_with_images(reader, images, settings=ReadSettings(canvas_length=64), **body):
+    body.setdefault("state", STATE)
+    body.setdefault("questions", SCHEMA)
+    return asyncio.run(Decider(reader, settings).decide(parse_decision(body, images=images)))
+
+
+def test_t11_images_go_ahead_of_the_state(scripted, tokenizer):
+    outcome = decide_with_images(scripted, image_inputs(2), samples=1)
+    (spec,) = scripted.reads
+    assert spec.prompt.images == image_inputs(2)
+    ids = spec.prompt.ids
+    placeholders = [i for i, t in enumerate(ids) if t == tokenizer.image_placeholder_id]
+    state_at = text(tokenizer, ids).index(json.dumps(STATE))
+    assert len(placeholders) == 2
+    assert len(tokenizer.decode(ids[: placeholders[-1] + 1])) <= state_at
+    assert outcome.input_tokens == PROMPT_TOKENS
+
+
+def test_t11_image_think_seeds_the_thought_into_the_canvas(scripted, tokenizer):
+    outcome = decide_with_images(scripted, image_inputs(), think=64, samples=1)
+    gen = scripted.generations[0]
+    assert gen.prompt.images == image_inputs() and gen.prompt.ids[-len(tokenizer.thought_open):] == tuple(tokenizer.thought_open)
+    assert "<|think|>" in text(tokenizer, gen.prompt.ids)
+    (spec,) = scripted.reads
+    head = tuple(tokenizer.thought_open) + scripted.thought + tuple(tokenizer.thought_close)
+    assert spec.canvases[0][: len(head)] == head
+    assert "<|think|>" in text(tokenizer, spec.prompt.ids) and spec.prompt.images == image_inputs()
+    thought = outcome.diagnostics["thought"]
+    assert thought["tokens"] == len(scripted.thought) and thought["closed"] and thought["budget"] <= 64
+
+
+def test_t11_image_think_is_clipped_to_the_canvas(scripted):
+    outcome = decide_with_images(scripted, image_inputs(), think=4096, samples=1)
+    assert outcome.diagnostics["thought"]["budget"] < 4096
+    assert scripted.generations[0].max_tokens == outcome.diagnostics["thought"]["budget"]
+
+
+def test_image_think_that_leaves_no_room_is_refused(scripted):
+    from app.decisions.errors import RequestError
+
+    with pytest.raises(RequestError) as info:
+        decide_with_images(scripted, image_inputs(), ReadSettings(canvas_length=24), think=64, samples=1)
+    assert "think: the canvas leaves" in info.value.message
+
+
+def test_t11_image_with_sequential_chunks_is_restated(scripted, tokenizer):
+    outcome = decide_with_images(scripted, image_inputs(), questions=TWELVE, sequential=True, chunk_rows=8, samples=1)
+    assert outcome.diagnostics["conditioning"] == "restated"
+    last = text(tokenizer, scripted.reads[-1].prompt.ids)
+    assert "Answers so far:" in last and "q1: yes" in last
+    assert all(spec.prompt.images == image_inputs() for spec in scripted.reads)
+
+
+def test_t17_dependencies_with_an_image_restate_the_answers(scripted, tokenizer):
+    outcome = decide_with_images(scripted, image_inputs(), questions=DEPS, samples=1)
+    assert outcome.diagnostics["conditioning"] == "restated"
+    assert len(scripted.reads) == 2
+    second = scripted.reads[1]
+    assert second.prompt.images == image_inputs()
+    restated = text(tokenizer, second.prompt.ids)
+    assert "Answers so far:" in restated and "q2: billing" in restated and "q1: yes" in restated
+    placeholder_at = second.prompt.ids.index(tokenizer.image_placeholder_id)
+    assert len(tokenizer.decode(second.prompt.ids[:placeholder_at])) < restated.index("Answers so far:")
+    assert "A reply may cover only some of the questions" in restated

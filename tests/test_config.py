@@ -1,0 +1,55 @@
+"""Settings: env names and defaults in one place, .env.example true to them, flags override env."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.cli import build_parser, settings_from_args
+from app.config import Settings, render_env_example
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_env_example_matches_the_settings():
+    assert (ROOT / ".env.example").read_text() == render_env_example(), \
+        "regenerate: python -c 'from app.config import render_env_example; print(render_env_example(), end=\"\")' > .env.example"
+
+
+def test_env_values_are_read_and_converted():
+    settings = Settings.from_env({"STRUCTURED_PORT": "9000", "TEST_PAGE": "0", "API_KEY": "k", "CANVAS": "64"})
+    assert (settings.port, settings.pages, settings.api_key, settings.canvas) == (9000, False, "k", 64)
+    assert settings.limits.max_samples == 32 and settings.read_settings.canvas_length == 64
+
+
+def test_flags_override_the_environment(monkeypatch):
+    monkeypatch.setenv("STRUCTURED_PORT", "9000")
+    monkeypatch.setenv("CONFIDENCE", "jev")
+    args = build_parser().parse_args(["serve", "--port", "9100", "--no-pages", "--isolate"])
+    settings = settings_from_args(args)
+    assert settings.port == 9100 and settings.pages is False and settings.isolate is True
+    assert settings.confidence == "jev"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"STRUCTURED_PORT": "eighty"}, "STRUCTURED_PORT must be an integer"),
+    ({"ISOLATE": "maybe"}, "ISOLATE must be 1 or 0"),
+    ({"ENGINE": "magic"}, "ENGINE must be one of hf"),
+    ({"CONFIDENCE": "x"}, "CONFIDENCE must be djev or jev"),
+    ({"THOUGHT_PLACEMENT": "x"}, "THOUGHT_PLACEMENT"),
+    ({"CANVAS": "8"}, "CANVAS must be 16 to 4096"),
+    ({"MAX_INFLIGHT": "0"}, "MAX_INFLIGHT must be at least 1"),
+])
+def test_bad_settings_are_refused_by_name(env, message):
+    with pytest.raises(ValueError) as info:
+        Settings.from_env(env)
+    assert message in str(info.value)
+
+
+def test_serve_refuses_bad_settings_with_exit_2(monkeypatch, capsys):
+    from app.cli import main
+
+    monkeypatch.setenv("ENGINE", "magic")
+    assert main(["serve"]) == 2
+    assert "ENGINE must be one of" in capsys.readouterr().err
