@@ -53,3 +53,18 @@ def test_serve_refuses_bad_settings_with_exit_2(monkeypatch, capsys):
     monkeypatch.setenv("ENGINE", "magic")
     assert main(["serve"]) == 2
     assert "ENGINE must be one of" in capsys.readouterr().err
+
+
+def test_the_readme_documents_every_setting_with_its_default():
+    from app.config import env_table
+
+    readme = (ROOT / "README.md").read_text()
+    for env, default, _ in env_table():
+        shown = f"`{default}`" if default else "empty"
+        assert f"| `{env}` | {shown} |" in readme, f"README's configuration table is missing {env} = {shown}"
+
+
+def test_the_readme_commands_exist():
+    readme = (ROOT / "README.md").read_text()
+    assert "scripts/serve.sh" in readme and "scripts/test.sh" in readme
+    assert (ROOT / ".ci" / "run").read_text().strip().endswith("exec scripts/test.sh")
