@@ -12,7 +12,6 @@ slots, so a 262k-token vocabulary costs rows x slots, not rows x canvas width.
 
 from __future__ import annotations
 
-import copy
 import io
 import math
 from collections import Counter, OrderedDict
@@ -46,7 +45,10 @@ GENERATION_DEFAULTS = {
 
 @dataclass
 class EncodedPrompt:
-    cache: Any  # transformers DynamicCache holding the prompt's KV, batch 1; never mutated once stored
+    """A prompt's KV as the decoder reads it: per layer, keys and values of shape [1, heads, n, dim]
+    (sliding-window layers keep only their window). Never mutated once stored."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
     length: int  # prompt tokens as the model saw them, image soft tokens included
 
 
@@ -176,35 +178,104 @@ class DiffusionRunner:
             inputs["pixel_values"] = processed["pixel_values"].to(self.device, dtype)
             inputs["image_position_ids"] = processed["image_position_ids"].to(self.device)
         if len(ids) > self.max_prompt_tokens:
-            raise EngineInputError(
-                f"the prompt is {len(ids)} tokens; this server reads at most {self.max_prompt_tokens}",
-                status=400, param="state", error_type="max_tokens_exceeded",
-            )
+            raise self._too_long(len(ids))
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         inputs["input_ids"] = input_ids
         if prompt.images:
             inputs["mm_token_type_ids"] = (input_ids == self.config.image_token_id).long()
         return inputs
 
+    def _new_cache(self) -> Any:
+        from transformers.cache_utils import DynamicCache
+
+        return DynamicCache(config=self.text_config)
+
     @torch.no_grad()
     def encode(self, prompt: Prompt) -> EncodedPrompt:
+        """The prompt's KV, from the LRU or from one encoder pass."""
         key = prompt.cache_key
         cached = self.prompts.get(key)
         if cached is not None:
             self.stats["kv_hits"] += 1
             return cached
-        from transformers.cache_utils import DynamicCache
-
         inputs = self._expand(prompt)
         length = int(inputs["input_ids"].shape[1])
-        cache = DynamicCache(config=self.text_config)
+        cache = self._new_cache()
         positions = torch.arange(length, device=self.device).unsqueeze(0)
         self.model.model.encoder(past_key_values=cache, position_ids=positions, **inputs)
         self.stats["kv_misses"] += 1
         self.stats["encoder_passes"] += 1
-        encoded = EncodedPrompt(cache=cache, length=length)
+        encoded = EncodedPrompt([(layer.keys, layer.values) for layer in cache.layers], length)
         self.prompts.put(key, encoded)
         return encoded
+
+    @torch.no_grad()
+    def encode_many(self, prompts: Sequence[Prompt]) -> list[EncodedPrompt | Exception]:
+        """Encode several prompts: text-only prompts missing from the LRU share left-padded encoder
+        passes (at most `max_rows` prompts and `max_prompt_tokens` padded tokens a pass); prompts
+        with images are encoded one by one. A prompt that cannot be read gets its exception."""
+        results: list[EncodedPrompt | Exception | None] = [None] * len(prompts)
+        pending: dict[tuple, list[int]] = {}
+        for index, prompt in enumerate(prompts):
+            key = prompt.cache_key
+            cached = self.prompts.get(key)
+            if cached is not None:
+                self.stats["kv_hits"] += 1
+                results[index] = cached
+            elif key in pending:
+                pending[key].append(index)
+            elif prompt.images:
+                try:
+                    results[index] = self.encode(prompt)
+                except EngineInputError as exc:
+                    results[index] = exc
+            elif len(prompt.ids) > self.max_prompt_tokens:
+                results[index] = self._too_long(len(prompt.ids))
+            else:
+                pending[key] = [index]
+        batch: list[tuple[tuple, list[int]]] = []
+        for key, indices in sorted(pending.items(), key=lambda item: len(prompts[item[1][0]].ids)):
+            longest = max([len(prompts[indices[0]].ids)] + [len(prompts[i[0]].ids) for _, i in batch])
+            if batch and (len(batch) >= self.max_rows or longest * (len(batch) + 1) > self.max_prompt_tokens):
+                self._encode_text_batch(prompts, batch, results)
+                batch = []
+            batch.append((key, indices))
+        if batch:
+            self._encode_text_batch(prompts, batch, results)
+        return results  # type: ignore[return-value]
+
+    def _encode_text_batch(
+        self, prompts: Sequence[Prompt], batch: list[tuple[tuple, list[int]]], results: list
+    ) -> None:
+        rows = [list(prompts[indices[0]].ids) for _, indices in batch]
+        lengths = [len(ids) for ids in rows]
+        longest = max(lengths)
+        pad = self._pad_id()
+        input_ids = torch.tensor([[pad] * (longest - n) + ids for ids, n in zip(rows, lengths)], device=self.device)
+        attention = torch.tensor([[0] * (longest - n) + [1] * n for n in lengths], device=self.device)
+        offsets = torch.tensor([longest - n for n in lengths], device=self.device).unsqueeze(1)
+        positions = (torch.arange(longest, device=self.device).unsqueeze(0) - offsets).clamp_min(0)
+        cache = self._new_cache()
+        self.model.model.encoder(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                                 past_key_values=cache)
+        self.stats["encoder_passes"] += 1
+        self.stats["kv_misses"] += len(batch)
+        for row, ((key, indices), length) in enumerate(zip(batch, lengths)):
+            layers = []
+            for layer in cache.layers:
+                kept = layer.keys.shape[2]
+                start = max(0, kept - length)  # drop the left padding this layer still holds
+                layers.append((layer.keys[row:row + 1, :, start:].clone(), layer.values[row:row + 1, :, start:].clone()))
+            encoded = EncodedPrompt(layers, length)
+            self.prompts.put(key, encoded)
+            for index in indices:
+                results[index] = encoded
+
+    def _too_long(self, length: int) -> EngineInputError:
+        return EngineInputError(
+            f"the prompt is {length} tokens; this server reads at most {self.max_prompt_tokens}",
+            status=400, param="state", error_type="max_tokens_exceeded",
+        )
 
     # ------------------------------------------------------------------ decoder passes
 
@@ -221,8 +292,8 @@ class DiffusionRunner:
         stacked = DynamicCache()  # full layers only: it holds exactly what we stack, no truncation
         lengths_by_type: dict[str, list[int]] = {}
         for layer_index, layer_type in enumerate(self.layer_types):
-            keys = [encoded.cache.layers[layer_index].keys for encoded, _ in rows]
-            values = [encoded.cache.layers[layer_index].values for encoded, _ in rows]
+            keys = [encoded.layers[layer_index][0] for encoded, _ in rows]
+            values = [encoded.layers[layer_index][1] for encoded, _ in rows]
             longest = max(k.shape[2] for k in keys)
             padded_keys = torch.cat([F.pad(k, (0, 0, longest - k.shape[2], 0)) for k in keys])
             padded_values = torch.cat([F.pad(v, (0, 0, longest - v.shape[2], 0)) for v in values])
@@ -267,11 +338,11 @@ class DiffusionRunner:
         """Run a batch of reads; a spec whose prompt cannot be read gets its exception instead."""
         results: list[ReadResult | Exception | None] = [None] * len(specs)
         encoded: dict[int, EncodedPrompt] = {}
-        for index, spec in enumerate(specs):
-            try:
-                encoded[index] = self.encode(spec.prompt)
-            except EngineInputError as exc:
-                results[index] = exc
+        for index, outcome in enumerate(self.encode_many([spec.prompt for spec in specs])):
+            if isinstance(outcome, Exception):
+                results[index] = outcome
+            else:
+                encoded[index] = outcome
         by_steps: dict[int, list[int]] = {}
         for index in encoded:
             by_steps.setdefault(specs[index].steps, []).append(index)
@@ -353,10 +424,15 @@ class DiffusionRunner:
     def generate(self, spec: GenerateSpec, canvas_length: int) -> GenerateResult:
         """Block diffusion: denoise a random canvas until stable and confident (or the step cap),
         commit its argmax through the encoder, repeat; stop at a stop id or `max_tokens`."""
-        encoded = self.encode(spec.prompt)
-        cache = copy.deepcopy(encoded.cache)  # the stored prompt KV stays as it was
+        # Generation extends its KV block by block, so it encodes the prompt into a cache of its own.
+        inputs = self._expand(spec.prompt)
+        length = int(inputs["input_ids"].shape[1])
+        cache = self._new_cache()
+        positions = torch.arange(length, device=self.device).unsqueeze(0)
+        self.model.model.encoder(past_key_values=cache, position_ids=positions, **inputs)
+        self.stats["encoder_passes"] += 1
+        prompt_tokens = length
         generator = self._generator(spec.seed)
-        length = encoded.length
         produced: list[int] = []
         stop = set(spec.stop_ids)
         settings = self.generation
@@ -369,7 +445,7 @@ class DiffusionRunner:
             take = take[:remaining_tokens]
             produced.extend(take)
             if cut is not None and cut < remaining_tokens:
-                return GenerateResult(ids=tuple(produced), stopped=True, prompt_tokens=encoded.length)
+                return GenerateResult(ids=tuple(produced), stopped=True, prompt_tokens=prompt_tokens)
             if len(produced) >= spec.max_tokens:
                 break
             block_ids = torch.tensor([block], dtype=torch.long, device=self.device)
@@ -377,7 +453,7 @@ class DiffusionRunner:
             self.model.model.encoder(input_ids=block_ids, past_key_values=cache, position_ids=positions)
             self.stats["encoder_passes"] += 1
             length += width
-        return GenerateResult(ids=tuple(produced), stopped=False, prompt_tokens=encoded.length)
+        return GenerateResult(ids=tuple(produced), stopped=False, prompt_tokens=prompt_tokens)
 
     def _denoise_block(
         self, cache: Any, length: int, width: int, generator: torch.Generator, settings: dict

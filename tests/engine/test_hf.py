@@ -173,3 +173,32 @@ def test_a_stopped_reader_refuses_work(tiny_reader, tokenizer):
 
     with pytest.raises(EngineUnavailable):
         run(tiny_reader.read([spec_for(tokenizer, "x", "q1: yes", [1])]))
+
+
+def test_batched_prefill_equals_single_prefill(tiny_dir, tokenizer):
+    """Uncached prompts of different lengths (longer and shorter than the sliding window) share one
+    left-padded encoder pass; the reads equal reads of each prompt encoded alone."""
+    from tests.conftest import make_tiny_reader
+
+    specs = [
+        spec_for(tokenizer, "tiny", "q1: yes", [5]),
+        spec_for(tokenizer, "a state past the sliding window " * 12, "q1: yes", [9, 10]),
+        spec_for(tokenizer, "medium sized state here", "q1: no\nq2: yes", [100]),
+    ]
+    alone_reader, batch_reader = make_tiny_reader(tiny_dir), make_tiny_reader(tiny_dir)
+
+    async def alone():
+        return [(await alone_reader.read([spec]))[0] for spec in specs]
+
+    async def together():
+        return await batch_reader.read(specs)
+
+    single = run(started(alone_reader, alone))
+    batched = run(started(batch_reader, together))
+    assert batch_reader.stats["encoder_passes"] == 1 and alone_reader.stats["encoder_passes"] == 3
+    for a, b in zip(single, batched):
+        assert a.prompt_tokens == b.prompt_tokens
+        for canvas_a, canvas_b in zip(a.slots, b.slots):
+            for slot_a, slot_b in zip(canvas_a, canvas_b):
+                assert slot_a.argmax_id == slot_b.argmax_id
+                assert slot_a.label_logprobs == pytest.approx(slot_b.label_logprobs, abs=1e-3)
