@@ -50,7 +50,9 @@ def camera_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_y4m(tmp_path_factory.mktemp("camera") / "camera.y4m")
 
 
-@pytest.fixture(scope="session")
+# Module scope: Playwright's sync API keeps an event loop running in this thread while a browser is
+# open, and other test modules call asyncio.run().
+@pytest.fixture(scope="module")
 def browser(camera_file: Path):
     if not Path(CHROMIUM).exists():
         pytest.fail("Debian's chromium is missing: scripts/setup.sh --test installs it")

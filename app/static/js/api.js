@@ -25,14 +25,15 @@ function authHeaders() {
 }
 
 // POST /v1/systemone. With images, a multipart form: the JSON in a part named "request" and one
-// file part per image (what curl -F sends). Resolves to {ok, status, body, text, ms}.
-export async function postDecision(request, images = []) {
+// file part per image, all named `field` (what curl -F sends; the server reads image parts of any
+// name, in order). Resolves to {ok, status, body, text, ms}.
+export async function postDecision(request, images = [], { field = "image" } = {}) {
   const started = performance.now();
   let init;
   if (images.length) {
     const form = new FormData();
     form.append("request", JSON.stringify(request));
-    images.forEach((blob, i) => form.append(`image${i}`, blob, blob.name || `image${i}.jpg`));
+    images.forEach((blob, i) => form.append(field, blob, blob.name || `${field}${i ? i : ""}.jpg`));
     init = { method: "POST", body: form, headers: authHeaders() };
   } else {
     init = { method: "POST", body: JSON.stringify(request),
@@ -55,8 +56,8 @@ export function errorMessage(status, body, text = "") {
 // time; frames sent while one is in flight replace each other (latest wins) and come back as
 // `dropped` in the next result.
 export class StreamSession {
-  constructor({ onReady, onResult, onError, onClose } = {}) {
-    this.handlers = { onReady, onResult, onError, onClose };
+  constructor({ onReady, onConfigured, onResult, onError, onClose } = {}) {
+    this.handlers = { onReady, onConfigured, onResult, onError, onClose };
     this.ws = null;
     this.ready = false;
     this.pendingConfig = null;
@@ -84,6 +85,8 @@ export class StreamSession {
           if (this.pendingConfig) ws.send(JSON.stringify({ type: "config", request: this.pendingConfig }));
           this.handlers.onReady?.(message);
           resolve(message);
+        } else if (message.type === "configured") {
+          this.handlers.onConfigured?.(message);
         } else if (message.type === "result") {
           this.handlers.onResult?.(message);
         } else if (message.type === "error") {
@@ -104,7 +107,7 @@ export class StreamSession {
   }
 
   async sendFrame(blob) {
-    if (!this.ready) return false;
+    if (!this.ready || this.ws?.readyState !== WebSocket.OPEN) return false;
     this.ws.send(await blob.arrayBuffer());
     return true;
   }

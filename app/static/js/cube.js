@@ -243,7 +243,7 @@ async function photoBlob(food) {
 async function readLive(food) {
   const photo = await photoBlob(food);
   const started = performance.now();
-  const result = await postDecision(REQUEST, [photo]);
+  const result = await postDecision(REQUEST, [photo], { field: "photo" });
   if (!result.ok) throw new Error(errorMessage(result.status, result.body, result.text));
   const answer = result.body?.answers?.cube;
   if (!answer || !answer.probabilities) throw new Error("the answer has no cube choice");
