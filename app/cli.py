@@ -108,22 +108,30 @@ def _gpu_available() -> bool:
         return False
 
 
-def build_reader(settings: Settings):
-    from app.engine.hf import HFOptions, load_hf_reader
-    from app.engine.tiny import TINY_MODEL_NAME
+def hf_options(settings: Settings, served_name: str, tiny: bool):
+    """The hf engine's options, from Settings (the one place defaults are defined)."""
+    from app.engine.hf import HFOptions
 
-    checkpoint, tiny = resolve_checkpoint(settings)
-    served = settings.served_name or (TINY_MODEL_NAME if tiny else checkpoint.name)
-    options = HFOptions(
+    return HFOptions(
         device=settings.device,
         max_prompt_tokens=settings.max_prompt_tokens,
         kv_cache_entries=settings.kv_cache_entries,
         max_batch_rows=settings.max_batch_rows,
-        served_name=served,
+        queue_limit=max(1024, 4 * settings.max_inflight),
+        served_name=served_name,
         canvas_length=settings.canvas,
         tiny=tiny,
+        torch_threads=settings.torch_threads,
     )
-    return load_hf_reader(checkpoint, options)
+
+
+def build_reader(settings: Settings):
+    from app.engine.hf import load_hf_reader
+    from app.engine.tiny import TINY_MODEL_NAME
+
+    checkpoint, tiny = resolve_checkpoint(settings)
+    served = settings.served_name or (TINY_MODEL_NAME if tiny else checkpoint.name)
+    return load_hf_reader(checkpoint, hf_options(settings, served, tiny))
 
 
 def serve(settings: Settings) -> int:

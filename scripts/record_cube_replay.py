@@ -51,14 +51,15 @@ def page_request(path: Path = PAGE_JS) -> dict:
 @contextmanager
 def tiny_server() -> Iterator[str]:
     """The tiny model, served in-process on 127.0.0.1 (the tests' set-up, without pytest)."""
+    from app.cli import hf_options
     from app.config import Settings
-    from app.engine.hf import HFOptions, load_hf_reader
+    from app.engine.hf import load_hf_reader
     from app.engine.tiny import TINY_MODEL_NAME, write_tiny_model
     from app.server import create_app
 
     with tempfile.TemporaryDirectory(prefix="djev-tiny-") as folder:
         checkpoint = write_tiny_model(Path(folder) / "model")
-        reader = load_hf_reader(checkpoint, HFOptions(device="cpu", tiny=True, served_name=TINY_MODEL_NAME))
+        reader = load_hf_reader(checkpoint, hf_options(Settings(device="cpu"), TINY_MODEL_NAME, tiny=True))
         with serve(create_app(Settings(), reader)) as url:
             yield url
 

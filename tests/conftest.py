@@ -14,7 +14,8 @@ from typing import Iterator
 import pytest
 
 from app.config import Settings
-from app.engine.hf import HFOptions, load_hf_reader
+from app.cli import hf_options
+from app.engine.hf import load_hf_reader
 from app.engine.tiny import TINY_MODEL_NAME, write_tiny_model
 from tests.fakes import ScriptedReader
 
@@ -26,9 +27,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def make_tiny_reader(tiny_dir: Path, **options):
+def make_tiny_reader(tiny_dir: Path, **settings):
     """A fresh reader on the tiny checkpoint: a reader belongs to one event loop (one app)."""
-    return load_hf_reader(tiny_dir, HFOptions(device="cpu", tiny=True, served_name=TINY_MODEL_NAME, **options))
+    return load_hf_reader(tiny_dir, hf_options(Settings(device="cpu", **settings), TINY_MODEL_NAME, tiny=True))
 
 
 @pytest.fixture

@@ -31,14 +31,17 @@ log = logging.getLogger("djev.engine")
 
 @dataclass(frozen=True)
 class HFOptions:
-    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
-    max_prompt_tokens: int = 32768
-    kv_cache_entries: int = 64
-    max_batch_rows: int = 64
-    queue_limit: int = 1024
-    served_name: str = ""
-    canvas_length: int = 128
-    tiny: bool = False
+    """What the hf engine is told; built from Settings by `app.cli.hf_options` (defaults live there)."""
+
+    device: str  # "auto", "cpu", "cuda", "cuda:1", ...
+    max_prompt_tokens: int
+    kv_cache_entries: int
+    max_batch_rows: int
+    queue_limit: int
+    served_name: str
+    canvas_length: int
+    tiny: bool
+    torch_threads: int  # 0 = torch's default
 
 
 def pick_device(requested: str) -> str:
@@ -58,6 +61,8 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
     from app.engine.tokenizer import HFChatTokenizer
 
     path = Path(checkpoint)
+    if options.torch_threads > 0:
+        torch.set_num_threads(options.torch_threads)
     device_name = pick_device(options.device)
     device = torch.device(device_name)
     on_cuda = device.type == "cuda"

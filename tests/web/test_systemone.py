@@ -309,9 +309,9 @@ def test_engine_failures_are_502_and_503(tokenizer):
 
 
 def test_a_prompt_past_the_context_is_jevs_max_tokens_exceeded(tiny_dir):
-    from app.engine.hf import HFOptions, load_hf_reader
+    from tests.conftest import make_tiny_reader
 
-    reader = load_hf_reader(tiny_dir, HFOptions(device="cpu", max_prompt_tokens=200))
+    reader = make_tiny_reader(tiny_dir, max_prompt_tokens=200)
     with TestClient(create_app(Settings(), reader)) as client:
         response = client.post("/v1/systemone", json={**TICKET, "state": "word " * 500})
         body = assert_envelope(response, 400, "this server reads at most 200")

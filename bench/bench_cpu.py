@@ -1,0 +1,366 @@
+"""Where the time of one decision goes, and how the server batches under load (tiny model, CPU).
+
+Measured in ONE run, so the ratios compare numbers taken side by side on the same machine state:
+
+(a) One decision -- the README's ticket example (noul + choice + score, `samples: 1`) -- three ways,
+    interleaved request by request so drift hits all three alike:
+      engine    HFReader.read([spec]) of the exact ReadSpec the Decider sends for that decision
+                (captured by running the real Decider against a recording reader);
+      decision  parse_decision(body) + Decider.decide() in process: templating, the read, answers;
+      http      POST /v1/systemone to the real app under uvicorn on 127.0.0.1 (httpx, keep-alive).
+    The differences are the decision logic (decision - engine) and the HTTP layer (http - decision);
+    http_p50 / engine_p50 is the overhead ratio. Two conditions: "repeat" sends the same decision
+    every time (its prompt KV is cached, so a read is one decoder pass) and "unique" gives every
+    request its own state (an encoder pass plus a decoder pass, like distinct tickets).
+
+(b) A concurrency curve: 1, 8, 32 closed-loop clients, each posting unique-state ticket decisions
+    for --seconds per level. Reported: req/s, decisions/s (3 questions per request), p50/p95, and the
+    engine's encoder and decoder passes per request from the server reader's counters: below 1 means
+    concurrent decisions shared passes (the batching loop in app/engine/hf.py, the batched prefill in
+    app/engine/diffusion.py). The clients run in a separate process so they do not share the
+    server's GIL (they do share the CPU cores; see --torch-threads).
+
+Usage: python bench/bench_cpu.py [--seconds 10] [--levels 1,8,32] [--reads 50] [--torch-threads N] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (  # noqa: E402 - the repository root must be importable first
+    fmt,
+    header,
+    latency_summary,
+    machine,
+    markdown_table,
+    set_torch_threads,
+    tiny_checkpoint,
+    tiny_reader,
+    tiny_server,
+    write_json,
+)
+
+if TYPE_CHECKING:
+    from app.engine.base import ReadResult, ReadSpec
+
+# The ticket example of README.md (the first curl), with one noise draw.
+TICKET = "Everything is down and we have a demo at noon."
+QUESTIONS = {
+    "urgent": {"type": "noul", "instructions": "Does the customer need a reply within the hour?"},
+    "team": {"type": "choice", "instructions": "Which team owns this?",
+             "criteria": {"billing": None, "outage": "service down", "feature": None}},
+    "tone": {"type": "score", "instructions": "How angry is the customer?",
+             "criteria": ["calm", "annoyed", "furious"]},
+}
+QUESTIONS_PER_DECISION = len(QUESTIONS)
+HTTP_TIMEOUT_S = 60.0
+
+
+def ticket_body(tag: str | None = None) -> dict[str, Any]:
+    """The ticket decision; a tag makes the state (and so the prompt) unique."""
+    ticket = TICKET if tag is None else f"{TICKET} Ticket {tag}."
+    return {"model": "jev-latest", "state": {"ticket": ticket}, "samples": 1, "questions": QUESTIONS}
+
+
+class SpecRecorder:
+    """A Reader with no model: records the ReadSpecs the Decider sends and answers uniformly.
+
+    Running the real Decider against it yields exactly the spec a decision reads, without touching
+    the engine (so its prompt stays uncached there)."""
+
+    def __init__(self, reader: Any) -> None:
+        self.tokenizer = reader.tokenizer
+        self.info = reader.info
+        self.specs: list[ReadSpec] = []
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def read(self, specs: Sequence[ReadSpec]) -> list[ReadResult]:
+        from app.engine.base import ReadResult, SlotRead
+
+        self.specs.extend(specs)
+        return [
+            ReadResult(
+                slots=tuple(tuple(SlotRead(tuple(0.0 for _ in ids), ids[0]) for ids in spec.label_ids)
+                            for _ in spec.canvases),
+                prompt_tokens=len(spec.prompt.ids),
+            )
+            for spec in specs
+        ]
+
+    async def generate(self, spec: Any) -> Any:
+        raise NotImplementedError("the ticket decision writes no thought")
+
+
+async def read_spec_for(recorder: SpecRecorder, body: dict[str, Any]) -> ReadSpec:
+    from app.decisions.request import parse_decision
+    from app.decisions.run import Decider
+
+    recorder.specs.clear()
+    await Decider(recorder).decide(parse_decision(body))
+    if len(recorder.specs) != 1:
+        raise RuntimeError(f"the ticket decision should be one read, the Decider sent {len(recorder.specs)}")
+    return recorder.specs[0]
+
+
+# ---------------------------------------------------------------------------------------- (a)
+
+async def single_decision(url: str, server_reader: Any, checkpoint: Path, reads: int, warmup: int) -> dict[str, Any]:
+    """Engine read vs in-process decision vs HTTP, interleaved, for both conditions."""
+    import httpx
+
+    from app.decisions.run import Decider
+
+    reader = tiny_reader(checkpoint)  # in-process: its own reader in this event loop
+    await reader.start()
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S) as client:
+            paths = Paths(reader, Decider(reader), client)
+            await paths.check_same_answers(ticket_body("x000000"))
+            return {
+                condition: await interleaved(paths, condition, {"engine": reader, "decision": reader,
+                                                                "http": server_reader}, reads, warmup)
+                for condition in ("repeat", "unique")
+            }
+    finally:
+        await reader.stop()
+
+
+class Paths:
+    """The three ways to run one ticket decision; each returns the prompt tokens it read, so the
+    report shows the three did the same work."""
+
+    def __init__(self, reader: Any, decider: Any, client: Any) -> None:
+        self.reader = reader
+        self.decider = decider
+        self.client = client
+        self.recorder = SpecRecorder(reader)
+
+    async def spec(self, body: dict[str, Any]) -> ReadSpec:
+        return await read_spec_for(self.recorder, body)
+
+    async def engine(self, spec: ReadSpec) -> int:
+        results = await self.reader.read([spec])
+        return results[0].prompt_tokens
+
+    async def decision(self, body: dict[str, Any]) -> int:
+        from app.decisions.request import parse_decision
+
+        outcome = await self.decider.decide(parse_decision(body))
+        return outcome.input_tokens
+
+    async def http(self, body: dict[str, Any]) -> int:
+        response = await self.client.post("/v1/systemone", json=body)
+        response.raise_for_status()
+        return response.json()["usage"]["input_tokens"]
+
+    async def check_same_answers(self, body: dict[str, Any]) -> None:
+        """The in-process decision and the HTTP one must agree, or they did not do the same work."""
+        from app.decisions.request import parse_decision
+
+        local = await self.decider.decide(parse_decision(body))
+        response = await self.client.post("/v1/systemone", json=body)
+        response.raise_for_status()
+        if not same(response.json()["answers"], json.loads(json.dumps(local.answers))):
+            raise RuntimeError("the HTTP decision and the in-process decision disagree: not the same work")
+
+
+def same(a: Any, b: Any, tolerance: float = 1e-4) -> bool:
+    """Equal JSON values, floats within `tolerance` (the response may round)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k], tolerance) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y, tolerance) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= tolerance
+    return a == b
+
+
+async def interleaved(paths: Paths, condition: str, readers: dict[str, Any], reads: int,
+                      warmup: int) -> dict[str, Any]:
+    """Run each path once per iteration, in turn; time each call and count its encoder passes.
+
+    "repeat" sends the same body every time; "unique" tags each state with the path's letter and
+    the iteration (tags of equal shape keep the prompts the same length on every path)."""
+
+    def body(path: str, i: int) -> dict[str, Any]:
+        return ticket_body(None if condition == "repeat" else f"{path}{i + warmup:06d}")
+
+    # The engine path reads the exact spec the Decider sends, captured before the clock starts.
+    specs = {i: await paths.spec(body("e", i)) for i in range(-warmup, reads)}
+    calls: dict[str, Callable[[int], Awaitable[int]]] = {
+        "engine": lambda i: paths.engine(specs[i]),
+        "decision": lambda i: paths.decision(body("d", i)),
+        "http": lambda i: paths.http(body("h", i)),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    encoder_passes = {name: 0 for name in calls}
+    prompt_tokens: dict[str, list[int]] = {name: [] for name in calls}
+    for i in range(-warmup, reads):
+        for name, call in calls.items():
+            before = readers[name].stats.get("encoder_passes", 0)
+            started = time.perf_counter()
+            tokens = await call(i)
+            elapsed = time.perf_counter() - started
+            if i >= 0:
+                seconds[name].append(elapsed)
+                encoder_passes[name] += readers[name].stats.get("encoder_passes", 0) - before
+                prompt_tokens[name].append(tokens)
+    return {name: {**latency_summary(seconds[name]), "encoder_passes_per_call": encoder_passes[name] / reads,
+                   "prompt_tokens": sum(prompt_tokens[name]) / reads}
+            for name in calls}
+
+
+# ---------------------------------------------------------------------------------------- (b)
+
+def load_level(url: str, clients: int, seconds: float, tag: str) -> dict[str, Any]:
+    """One level of the curve, in the load-generator process: `clients` closed loops for `seconds`.
+
+    A client sends its next request as soon as the last one returns; requests still in flight at the
+    deadline finish and count. Every request has its own state, so no prompt is cached."""
+    return asyncio.run(_load_level(url, clients, seconds, tag))
+
+
+async def _load_level(url: str, clients: int, seconds: float, tag: str) -> dict[str, Any]:
+    import httpx
+
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=HTTP_TIMEOUT_S) as client:
+        started = time.perf_counter()
+        deadline = started + seconds
+
+        async def closed_loop(client_no: int) -> None:
+            sent = 0
+            while time.perf_counter() < deadline:
+                body = ticket_body(f"{tag}-{client_no}-{sent}")
+                sent += 1
+                t0 = time.perf_counter()
+                try:
+                    response = await client.post("/v1/systemone", json=body)
+                    problem = None if response.status_code == 200 else f"HTTP {response.status_code}"
+                except httpx.HTTPError as exc:
+                    problem = type(exc).__name__
+                if problem is None:
+                    latencies.append(time.perf_counter() - t0)
+                else:
+                    errors[problem] = errors.get(problem, 0) + 1
+
+        await asyncio.gather(*(closed_loop(n) for n in range(clients)))
+        elapsed = time.perf_counter() - started
+    return {"latencies": latencies, "errors": errors, "elapsed_s": elapsed}
+
+
+def concurrency_curve(url: str, server_reader: Any, levels: Sequence[int], seconds: float) -> list[dict[str, Any]]:
+    rows = []
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        # Warm-up (not reported): one short burst at the widest level, so the first level does not
+        # pay for first-time batch shapes and the load generator's own start.
+        pool.submit(load_level, url, max(levels), min(1.0, seconds), "warm").result()
+        for clients in levels:
+            before = dict(server_reader.stats)
+            level = pool.submit(load_level, url, clients, seconds, f"c{clients}").result()
+            after = dict(server_reader.stats)
+            done = len(level["latencies"])
+            delta = {key: after.get(key, 0) - before.get(key, 0) for key in after}
+            per_request = {key: delta.get(key, 0) / done if done else math.nan
+                           for key in ("encoder_passes", "decoder_passes")}
+            rows.append({
+                "clients": clients,
+                "seconds": round(level["elapsed_s"], 2),
+                "requests": done,
+                "errors": level["errors"],
+                "req_per_s": done / level["elapsed_s"],
+                "decisions_per_s": QUESTIONS_PER_DECISION * done / level["elapsed_s"],
+                **latency_summary(level["latencies"]),
+                "encoder_passes_per_request": per_request["encoder_passes"],
+                "decoder_passes_per_request": per_request["decoder_passes"],
+                "rows_per_decoder_pass": (delta.get("decoder_rows", 0) / delta["decoder_passes"]
+                                          if delta.get("decoder_passes") else math.nan),
+            })
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- report
+
+def report(single: dict[str, Any], curve: list[dict[str, Any]]) -> str:
+    labels = {"engine": "engine read (HFReader.read)", "decision": "in-process decision (parse + Decider)",
+              "http": "HTTP POST /v1/systemone"}
+    rows = []
+    for condition, paths in single.items():
+        engine_p50 = paths["engine"]["p50_ms"]
+        for name, stats in paths.items():
+            rows.append([condition, labels[name], fmt(stats["p50_ms"], 2), fmt(stats["p95_ms"], 2),
+                         fmt(stats["p50_ms"] / engine_p50, 2), fmt(stats["prompt_tokens"], 0),
+                         fmt(stats["encoder_passes_per_call"], 2)])
+    lines = ["### (a) one ticket decision, sequential", "",
+             markdown_table(["condition", "path", "p50 ms", "p95 ms", "x engine p50", "prompt tokens",
+                             "encoder passes/call"], rows), ""]
+    for condition, paths in single.items():
+        engine, decision, http = (paths[name]["p50_ms"] for name in ("engine", "decision", "http"))
+        lines.append(f"- {condition}: HTTP overhead ratio http_p50/engine_p50 = {http / engine:.2f}; "
+                     f"split of the HTTP p50: engine {engine:.2f} ms, decision logic {decision - engine:.2f} ms, "
+                     f"HTTP layer {http - decision:.2f} ms")
+    curve_rows = [[r["clients"], r["requests"], fmt(r["req_per_s"], 2), fmt(r["decisions_per_s"], 1),
+                   fmt(r["p50_ms"], 1), fmt(r["p95_ms"], 1), fmt(r["encoder_passes_per_request"], 2),
+                   fmt(r["decoder_passes_per_request"], 2), fmt(r["rows_per_decoder_pass"], 1),
+                   sum(r["errors"].values())] for r in curve]
+    lines += ["", "### (b) concurrency curve: closed-loop clients, unique-state ticket decisions", "",
+              markdown_table(["clients", "requests", "req/s", "decisions/s", "p50 ms", "p95 ms",
+                              "encoder passes/request", "decoder passes/request", "canvases/decoder pass",
+                              "errors"], curve_rows)]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="seconds per concurrency level (default 10)")
+    parser.add_argument("--levels", default="1,8,32", help="comma-separated client counts (default 1,8,32)")
+    parser.add_argument("--reads", type=int, default=50, help="timed calls per path and condition in (a) (default 50)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls per path first (default 5)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch intra-op threads for the server (default: usable cores - 1, at least 1)")
+    parser.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    args.levels = [int(level) for level in args.levels.split(",") if level.strip()]
+    if not args.levels or min(args.levels) < 1 or args.seconds <= 0 or args.reads < 1 or args.warmup < 0:
+        parser.error("levels must be positive integers; seconds and reads positive; warmup not negative")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    threads = set_torch_threads(args.torch_threads)
+    info = machine()
+    checkpoint = tiny_checkpoint()
+    with tiny_server(checkpoint) as (url, server_reader):
+        single = asyncio.run(single_decision(url, server_reader, checkpoint, args.reads, args.warmup))
+        curve = concurrency_curve(url, server_reader, args.levels, args.seconds)
+    print(header("bench_cpu: engine vs decision vs HTTP, and concurrency (tiny model)", info))
+    print()
+    print(report(single, curve))
+    if args.json_out:
+        path = write_json(args.json_out, {"machine": info, "model": "tiny random-weight (app/engine/tiny.py)",
+                                          "args": {"seconds": args.seconds, "levels": args.levels,
+                                                   "reads": args.reads, "warmup": args.warmup,
+                                                   "torch_threads": threads},
+                                          "single": single, "curve": curve})
+        print(f"\nresults: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""The hf engine's read cost on the full-size DiffusionGemma 26B-A4B architecture (random bf16 weights).
+
+No checkpoint is needed: the model is built from the published config (spec/engine.md §2.1: 30
+layers, hidden 2816, 16 heads, 128 experts top-8, ...) with random weights, in bf16 on CUDA with
+`experts_implementation="grouped_mm"`, and read through the engine's own DiffusionRunner
+(app/engine/diffusion.py) -- the code `djev serve` runs, minus the asyncio queue in front of it.
+Random weights cost the same FLOPs and bytes as trained ones, so the timings hold for the real model.
+
+Cases (prompt: --prompt-tokens random ids, default 300; canvas: 32 wide with 3 answer slots):
+  (a) one read, prompt not cached: encoder pass over the prompt + one decoder pass over the canvas;
+  (b) one read, prompt KV cached: the decoder pass only (a repeated state, or a later stage);
+  (c) batched reads: 1, 8, 32 different prompts in ONE runner.read call -- the engine encodes
+      uncached text prompts together in left-padded encoder passes, then runs one decoder pass over
+      all canvases -- reported as reads/s;
+  (d) one decision with samples 4: one prompt, 4 canvases in one decoder pass.
+Each case: --warmup untimed calls (default 3), then the median (and p95) of --reps timed calls
+(default 15), with torch.cuda.synchronize() before and after each.
+
+Runs standalone on a GPU box with torch and transformers >= 5.17 (no Starlette, no uvicorn):
+    python bench/bench_gpu.py                      # full size, CUDA; JSON to $OUT/bench_gpu.json
+    python bench/bench_gpu.py --tiny --device cpu  # the tiny model's config: checks the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import fmt, header, latency_summary, machine, markdown_table, write_json  # noqa: E402
+
+# spec/engine.md §2.1 (google/diffusiongemma-26B-A4B-it). The rest -- RoPE per layer type, softcap 30,
+# tied embeddings, the 5:1 sliding:full pattern with the last layer full -- are the config class's
+# defaults. Built this way it has 25.42 B parameters, as the spec's appendix reports.
+FULL_TEXT_CONFIG: dict[str, Any] = dict(
+    vocab_size=262_144,
+    hidden_size=2816,
+    intermediate_size=2112,  # the dense MLP beside the experts
+    num_hidden_layers=30,
+    num_attention_heads=16,
+    num_key_value_heads=8,  # sliding layers: 8 KV heads x 256
+    head_dim=256,
+    global_head_dim=512,  # full layers: 2 KV heads x 512, K = V
+    num_global_key_value_heads=2,
+    attention_k_eq_v=True,
+    sliding_window=1024,
+    num_experts=128,
+    top_k_experts=8,
+    moe_intermediate_size=704,
+    enable_moe_block=True,
+    max_position_embeddings=262_144,
+    use_bidirectional_attention="vision",
+)
+CANVAS_WIDTH = 32
+SLOTS = (4, 12, 20)  # where the three answers sit on the canvas
+LABELS_PER_SLOT = (2, 3, 3)  # noul, a 3-way choice, a 3-level score: the README's ticket example
+BATCHES = (1, 8, 32)
+SAMPLES = 4
+
+
+def build_config(tiny: bool) -> Any:
+    from transformers import DiffusionGemmaConfig
+
+    if tiny:
+        from app.engine.tiny import build_config as tiny_config
+        from app.engine.tiny import build_tokenizer
+
+        return tiny_config(build_tokenizer())
+    return DiffusionGemmaConfig(text_config=dict(FULL_TEXT_CONFIG), vision_config={"model_type": "gemma4_vision"},
+                                canvas_length=256)
+
+
+def build_model(config: Any, device: str, dtype: Any, experts: str | None) -> Any:
+    """Random weights, allocated directly on the device."""
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
+    if experts:
+        kwargs["experts_implementation"] = experts
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DiffusionGemmaForBlockDiffusion._from_config(config, **kwargs)
+    if experts and getattr(model.config, "_experts_implementation", experts) != experts:
+        model.set_experts_implementation(experts)
+    return model.eval()
+
+
+class Specs:
+    """Real-shaped reads: random prompt ids (clear of the special and image ids) and a random canvas."""
+
+    def __init__(self, vocab_size: int, prompt_tokens: int, seed: int = 0) -> None:
+        import torch
+
+        self.generator = torch.Generator().manual_seed(seed)
+        self.low, self.high = 100, min(vocab_size, 250_000)  # ids >= 255999 are image tokens in the real vocab
+        self.prompt_tokens = prompt_tokens
+        # Label ids are arbitrary ordinary ids; only their count per slot matters for the cost.
+        self.labels = tuple(tuple(range(self.low + 10 * slot, self.low + 10 * slot + n))
+                            for slot, n in enumerate(LABELS_PER_SLOT))
+
+    def ids(self, count: int) -> tuple[int, ...]:
+        import torch
+
+        return tuple(torch.randint(self.low, self.high, (count,), generator=self.generator).tolist())
+
+    def read(self, canvases: int = 1) -> Any:
+        from app.engine.base import Prompt, ReadSpec
+
+        base = list(self.ids(CANVAS_WIDTH))
+        rows = []
+        for _ in range(canvases):  # the noise draws differ only at the slots
+            row = list(base)
+            for slot, noise in zip(SLOTS, self.ids(len(SLOTS))):
+                row[slot] = noise
+            rows.append(tuple(row))
+        return ReadSpec(Prompt(self.ids(self.prompt_tokens)), tuple(rows), SLOTS, self.labels, steps=1, seed=0)
+
+
+def read_all(runner: Any, specs: list[Any]) -> None:
+    """runner.read, failing loudly: the runner returns a failed read's exception in its place, and a
+    benchmark of failures would look fast."""
+    failures = [result for result in runner.read(specs) if isinstance(result, Exception)]
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {len(specs)} reads failed: {failures[0]}")
+
+
+def timed(call: Callable[[], Any], warmup: int, reps: int, runner: Any, sync: Callable[[], None]) -> dict[str, Any]:
+    for _ in range(warmup):
+        call()
+    seconds: list[float] = []
+    before = dict(runner.stats)
+    for _ in range(reps):
+        sync()
+        started = time.perf_counter()
+        call()
+        sync()
+        seconds.append(time.perf_counter() - started)
+    delta = {key: value - before.get(key, 0) for key, value in runner.stats.items()}
+    return {**latency_summary(seconds),
+            "encoder_passes_per_call": delta.get("encoder_passes", 0) / reps,
+            "decoder_passes_per_call": delta.get("decoder_passes", 0) / reps}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from app.config import Settings
+    from app.engine.diffusion import DiffusionRunner
+
+    device = torch.device(args.device)
+    on_cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    experts = args.experts if args.experts != "default" else None
+    sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if on_cuda else (lambda: None)
+
+    started = time.perf_counter()
+    model = build_model(build_config(args.tiny), args.device, dtype, experts)
+    sync()
+    build_s = time.perf_counter() - started
+    parameters = sum(p.numel() for p in model.parameters())
+
+    server = Settings()  # the server's defaults for the prompt and batch limits
+
+    def runner(kv_entries: int) -> Any:
+        return DiffusionRunner(model, None, device=device, max_prompt_tokens=server.max_prompt_tokens,
+                               kv_entries=kv_entries, max_rows=server.max_batch_rows)
+
+    uncached, cached = runner(0), runner(8)  # one model; the prompt KV cache off, and on
+    specs = Specs(int(model.config.text_config.vocab_size), args.prompt_tokens)
+    one = specs.read()
+    batch = [specs.read() for _ in range(max(BATCHES))]
+    samples = specs.read(canvases=SAMPLES)
+
+    cases: list[dict[str, Any]] = []
+
+    def case(name: str, reads: int, canvases: int, run: Any, call: Callable[[], Any]) -> None:
+        result = timed(call, args.warmup, args.reps, run, sync)
+        result.update(case=name, reads=reads, canvases=canvases, reads_per_s=reads / (result["p50_ms"] / 1000))
+        cases.append(result)
+        print(f"  {name}: median {result['p50_ms']:.1f} ms", flush=True)
+
+    case("(a) one read, prompt not cached", 1, 1, uncached, lambda: read_all(uncached, [one]))
+    case("(b) one read, prompt KV cached", 1, 1, cached, lambda: read_all(cached, [one]))
+    for size in BATCHES:
+        case(f"(c) batch of {size}, one call", size, size, uncached,
+             lambda size=size: read_all(uncached, batch[:size]))
+    case(f"(d) one decision, samples {SAMPLES}", 1, SAMPLES, uncached, lambda: read_all(uncached, [samples]))
+
+    return {
+        "model": "tiny random-weight config (app/engine/tiny.py)" if args.tiny else
+                 "DiffusionGemma 26B-A4B architecture, random weights (spec/engine.md §2.1)",
+        "parameters": parameters,
+        "dtype": str(dtype).replace("torch.", ""),
+        "experts_implementation": getattr(model.config, "_experts_implementation", None),
+        "build_s": round(build_s, 1),
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if on_cuda else None,
+        "prompt_tokens": args.prompt_tokens,
+        "canvas_width": CANVAS_WIDTH,
+        "slots": len(SLOTS),
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "cases": cases,
+    }
+
+
+def parameter_count(count: int) -> str:
+    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.2f} M"
+
+
+def report(results: dict[str, Any]) -> str:
+    rows = [[c["case"], results["prompt_tokens"], c["reads"], c["canvases"], fmt(c["p50_ms"], 1), fmt(c["p95_ms"], 1),
+             fmt(c["reads_per_s"], 1), fmt(c["encoder_passes_per_call"], 0), fmt(c["decoder_passes_per_call"], 0)]
+            for c in results["cases"]]
+    memory = f", peak GPU memory {results['peak_memory_gib']} GiB" if results["peak_memory_gib"] is not None else ""
+    return "\n".join([
+        f"Model: {results['model']}, {parameter_count(results['parameters'])} parameters, {results['dtype']}, "
+        f"experts {results['experts_implementation']}; built in {results['build_s']} s{memory}. "
+        f"Canvas {results['canvas_width']} wide, {results['slots']} slots. "
+        f"Median and p95 of {results['reps']} after {results['warmup']} warm-ups.",
+        "",
+        markdown_table(["case", "prompt tokens", "reads", "canvases", "median ms", "p95 ms", "reads/s",
+                        "encoder passes", "decoder passes"], rows),
+    ])
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny model's config instead of the full size")
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    parser.add_argument("--experts", default=None,
+                        help="experts implementation: grouped_mm (default on CUDA), eager, or 'default' for "
+                             "transformers' own choice (default on CPU)")
+    parser.add_argument("--prompt-tokens", type=int, default=300, help="prompt length in tokens (default 300)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls per case (default 3)")
+    parser.add_argument("--reps", type=int, default=15, help="timed calls per case (default 15)")
+    parser.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--out", default=None, help="JSON results file (default: $OUT/bench_gpu.json when $OUT is set)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.experts is None:
+        args.experts = "grouped_mm" if args.device.startswith("cuda") else "default"
+    if not args.tiny and not args.device.startswith("cuda"):
+        parser.error("the full-size model needs a GPU (about 50 GiB in bf16); use --tiny to check the script on a CPU")
+    if args.prompt_tokens < 1 or args.warmup < 0 or args.reps < 1:
+        parser.error("prompt-tokens and reps must be positive, warmup not negative")
+    if args.out is None and os.environ.get("OUT"):
+        args.out = str(Path(os.environ["OUT"]) / "bench_gpu.json")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    info = machine()
+    print(f"building the {'tiny' if args.tiny else 'full-size'} model on {args.device} ...", flush=True)
+    results = measure(args)
+    results["total_s"] = round(time.perf_counter() - started, 1)
+    print()
+    title = "tiny config" if args.tiny else "full-size random weights"
+    print(header(f"bench_gpu: DiffusionRunner reads, {title}", info))
+    print()
+    print(report(results))
+    print(f"\ntotal {results['total_s']} s")
+    if args.out:
+        path = write_json(args.out, {"machine": info, **results})
+        print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

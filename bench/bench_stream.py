@@ -1,0 +1,284 @@
+"""Per-frame latency of the walk page's decision: websocket /v1/stream vs one REST POST per frame.
+
+The walk page (app/static/js/walk.js) sends each camera frame -- 512 px wide, JPEG quality 0.7 --
+as one decision with two questions: `ahead` (a 6-way hazard choice) and `side` (left/right half,
+asked only when `ahead` names a danger, via ask_if). A clear frame is one image read, a blocked frame
+two. This script measures, in ONE run on the tiny model, what a client sees per frame over the two
+transports the server offers:
+
+  websocket  one /v1/stream session: a config message with the request, then each frame as a binary
+             message; the client waits for the frame's result before sending the next one.
+  rest       POST /v1/systemone per frame, multipart (`request` JSON + `frame` file), as the
+             reference system's walk page sent it (spec/behavior.md §14.2); keep-alive connection.
+
+Both get the same JPEG bytes in the same order, interleaved frame by frame so drift hits both alike.
+Reported per transport: p50/p95 of the client-observed ms per frame, frames/s of the sequential loop,
+the server-side decision time (diagnostics.timing.total_ms), reads per frame; for the websocket also
+the server's own timing (queue_ms, read_ms, total_ms). The server runs with its prompt KV cache off
+(KV_CACHE_ENTRIES=0): a live camera never sends the same frame twice, so every frame pays its
+image encode, and the repeated synthetic frames cannot be served from cache on one transport only.
+
+`--blocked` gates `side` on every `ahead` label, so every frame is two reads (a blocked frame); the
+tiny random model rarely names a danger, so without it most frames are one read. The reads/frame
+column says which was measured.
+
+Usage: python bench/bench_stream.py [--frames 40] [--warmup 3] [--blocked] [--torch-threads N] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (  # noqa: E402 - the repository root must be importable first
+    fmt,
+    header,
+    latency_summary,
+    machine,
+    markdown_table,
+    percentile,
+    set_torch_threads,
+    tiny_checkpoint,
+    tiny_server,
+    write_json,
+)
+
+DANGERS = ["danger: stairs", "danger: wall ahead", "danger: object ahead", "danger: pet ahead"]
+# The walk page's request, think off (app/static/js/walk.js buildRequest; spec/behavior.md §14.2).
+WALK_REQUEST: dict[str, Any] = {
+    "model": "jev-latest",
+    "samples": 1,
+    "state": {"note": "one frame from a phone's back camera, pointed the way the person is walking; "
+                      "only the center 30 degrees matters"},
+    "questions": {
+        "ahead": {
+            "type": "choice",
+            "instructions": (
+                "You are the eyes of a person walking forward. Judge only the center of the image: a window "
+                "about 30 degrees wide directly ahead. Ignore everything to the sides. If there is no obstacle "
+                "within 2 meters in that window, say all clear ahead; otherwise name the nearest hazard."
+            ),
+            "criteria": {
+                "all clear ahead": "the path straight ahead is free for at least 2 meters",
+                "danger: stairs": "stairs, steps or a curb ahead, up or down",
+                "danger: wall ahead": "a wall, fence or closed barrier ahead",
+                "danger: object ahead": "furniture, a pole, a parked bike, a box or another object in the path",
+                "danger: pet ahead": "a dog, cat or other animal in the path",
+                "door ahead": "a door directly ahead, open or closed",
+            },
+        },
+        "side": {
+            "type": "choice",
+            "instructions": "There is an obstacle ahead. Where is the nearest obstacle, stairs, wall or "
+                            "obstruction in the frame?",
+            "criteria": {"left half": None, "right half": None},
+            "ask_if": {"ahead": DANGERS},
+        },
+    },
+}
+FRAME_WIDTH, FRAME_HEIGHT = 512, 384  # the walk page scales frames to 512 px wide (4:3 camera)
+JPEG_QUALITY = 70  # the walk page encodes at 0.7
+TIMEOUT_S = 60.0
+
+
+def make_frames(count: int = 4) -> list[bytes]:
+    """A few distinct synthetic corridor frames: a floor, a wall, an obstacle at different places,
+    with sensor-like noise so the JPEGs have a camera frame's size rather than a flat image's."""
+    from PIL import Image, ImageDraw
+
+    frames = []
+    for index in range(count):
+        image = Image.new("RGB", (FRAME_WIDTH, FRAME_HEIGHT), (170, 170, 165))
+        draw = ImageDraw.Draw(image)
+        draw.rectangle([0, FRAME_HEIGHT // 2, FRAME_WIDTH, FRAME_HEIGHT], fill=(120, 110, 100))  # floor
+        if index % count:  # frame 0 is a clear corridor; the others hold a box left, center, right...
+            x = (index * FRAME_WIDTH // count) - 60
+            draw.rectangle([x, FRAME_HEIGHT // 3, x + 140, FRAME_HEIGHT - 40], fill=(50, 45, 40))
+        noise = Image.effect_noise((FRAME_WIDTH, FRAME_HEIGHT), 24).convert("RGB")
+        image = Image.blend(image, noise, 0.15)
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=JPEG_QUALITY)
+        frames.append(buffer.getvalue())
+    return frames
+
+
+class WebsocketTransport:
+    """One /v1/stream session, used strictly one frame at a time (send, wait for its result)."""
+
+    def __init__(self, base_url: str, request: dict[str, Any]) -> None:
+        self.url = base_url.replace("http://", "ws://") + "/v1/stream"
+        self.request = request
+
+    def __enter__(self) -> "WebsocketTransport":
+        from websockets.sync.client import connect
+
+        self.ws = connect(self.url, max_size=None, open_timeout=TIMEOUT_S, close_timeout=5).__enter__()
+        self.expect("ready")
+        self.ws.send(json.dumps({"type": "config", "request": self.request}))
+        self.expect("configured")
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.ws.__exit__(*exc_info)
+
+    def expect(self, kind: str) -> dict[str, Any]:
+        while True:
+            message = json.loads(self.ws.recv(timeout=TIMEOUT_S))
+            if message.get("type") == kind:
+                return message
+            if message.get("type") == "error":
+                raise RuntimeError(f"/v1/stream error: {message.get('error', message)}")
+
+    def decide(self, frame: bytes) -> dict[str, Any]:
+        self.ws.send(frame)
+        return self.expect("result")
+
+
+class RestTransport:
+    """POST /v1/systemone per frame, multipart like the walk page: `request` JSON + `frame` file."""
+
+    def __init__(self, base_url: str, request: dict[str, Any]) -> None:
+        self.base_url = base_url
+        self.request_json = json.dumps(request)
+
+    def __enter__(self) -> "RestTransport":
+        import httpx
+
+        self.client = httpx.Client(base_url=self.base_url, timeout=TIMEOUT_S)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.client.close()
+
+    def decide(self, frame: bytes) -> dict[str, Any]:
+        response = self.client.post("/v1/systemone", data={"request": self.request_json},
+                                    files={"frame": ("frame.jpg", frame, "image/jpeg")})
+        if response.status_code != 200:
+            raise RuntimeError(f"POST /v1/systemone: HTTP {response.status_code}: {response.text[:200]}")
+        return response.json()
+
+
+def walk_request(blocked: bool) -> dict[str, Any]:
+    """The walk page's request; `blocked` gates `side` on every `ahead` label, so every frame costs
+    what a blocked frame costs (two reads) even on a model that never names a danger."""
+    if not blocked:
+        return WALK_REQUEST
+    questions = dict(WALK_REQUEST["questions"])
+    questions["side"] = {**questions["side"], "ask_if": {"ahead": list(questions["ahead"]["criteria"])}}
+    return {**WALK_REQUEST, "questions": questions}
+
+
+def run_frames(url: str, request: dict[str, Any], frames: list[bytes], count: int, warmup: int) -> dict[str, Any]:
+    names = ("websocket", "rest")
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    decision_ms: dict[str, list[float]] = {name: [] for name in names}
+    reads: dict[str, int] = {name: 0 for name in names}
+    choices: dict[str, list[str]] = {name: [] for name in names}
+    server: dict[str, list[float]] = {"queue_ms": [], "read_ms": [], "total_ms": []}
+    with WebsocketTransport(url, request) as websocket, RestTransport(url, request) as rest:
+        transports = {"websocket": websocket, "rest": rest}
+        for i in range(-warmup, count):
+            frame = frames[i % len(frames)]
+            for name, transport in transports.items():
+                started = time.perf_counter()
+                result = transport.decide(frame)
+                elapsed = time.perf_counter() - started
+                if i < 0:
+                    continue
+                seconds[name].append(elapsed)
+                decision_ms[name].append(result["diagnostics"]["timing"]["total_ms"])
+                reads[name] += len(result["diagnostics"]["stages"])
+                choices[name].append(result["answers"]["ahead"]["choice"])
+                if name == "websocket":
+                    for key in server:
+                        server[key].append(result["timing"][key])
+    out: dict[str, Any] = {}
+    for name in names:
+        out[name] = {
+            **latency_summary(seconds[name]),
+            "frames_per_s": len(seconds[name]) / sum(seconds[name]),
+            "decision_p50_ms": percentile(decision_ms[name], 50),
+            "reads_per_frame": reads[name] / count,
+        }
+    out["websocket"]["server_timing_p50_ms"] = {key: percentile(values, 50) for key, values in server.items()}
+    out["websocket"]["server_timing_p95_ms"] = {key: percentile(values, 95) for key, values in server.items()}
+    out["same_answers"] = choices["websocket"] == choices["rest"]
+    return out
+
+
+def report(results: dict[str, Any], frames: list[bytes], blocked: bool) -> str:
+    rows = []
+    for name in ("websocket", "rest"):
+        r = results[name]
+        rows.append([name, fmt(r["p50_ms"], 1), fmt(r["p95_ms"], 1), fmt(r["frames_per_s"], 2),
+                     fmt(r["decision_p50_ms"], 1), fmt(r["reads_per_frame"], 2)])
+    ws = results["websocket"]
+    p50, p95 = ws["server_timing_p50_ms"], ws["server_timing_p95_ms"]
+    server_rows = [[key, fmt(p50[key], 1), fmt(p95[key], 1)] for key in ("queue_ms", "read_ms", "total_ms")]
+    sizes = ", ".join(f"{len(frame) // 1024} KiB" for frame in frames)
+    asked = ("`side` asked on every frame (--blocked: two reads a frame)" if blocked
+             else "the walk page's request (`side` only after a danger label)")
+    return "\n".join([
+        f"Request: {asked}.",
+        f"Frames: {len(frames)} distinct {FRAME_WIDTH}x{FRAME_HEIGHT} JPEGs (quality {JPEG_QUALITY}; {sizes}), "
+        f"cycled; {results['frames']} timed frames per transport; the same answers on both transports: "
+        f"{'yes' if results['same_answers'] else 'NO'}.",
+        "",
+        "### client-observed, sequential (send a frame, wait for its answer, next)",
+        "",
+        markdown_table(["transport", "p50 ms/frame", "p95 ms/frame", "frames/s", "decision p50 ms (server)",
+                        "reads/frame"], rows),
+        "",
+        "### websocket: the server's own timing per frame (`result.timing`)",
+        "",
+        markdown_table(["timing", "p50 ms", "p95 ms"], server_rows),
+    ])
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--frames", type=int, default=40, help="timed frames per transport (default 40)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed frames per transport first (default 3)")
+    parser.add_argument("--distinct", type=int, default=4, help="distinct synthetic frames, cycled (default 4)")
+    parser.add_argument("--blocked", action="store_true",
+                        help="ask `side` on every frame (two reads per frame, a blocked frame's cost)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch intra-op threads for the server (default: usable cores - 1, at least 1)")
+    parser.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    if args.frames < 1 or args.warmup < 0 or args.distinct < 1:
+        parser.error("frames and distinct must be positive, warmup not negative")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    threads = set_torch_threads(args.torch_threads)
+    info = machine()
+    frames = make_frames(args.distinct)
+    with tiny_server(tiny_checkpoint(), kv_cache_entries=0) as (url, _):
+        results = run_frames(url, walk_request(args.blocked), frames, args.frames, args.warmup)
+    results["frames"] = args.frames
+    print(header("bench_stream: walk-page frames over /v1/stream vs REST (tiny model)", info))
+    print()
+    print(report(results, frames, args.blocked))
+    if args.json_out:
+        path = write_json(args.json_out, {
+            "machine": info, "model": "tiny random-weight (app/engine/tiny.py)",
+            "args": {"frames": args.frames, "warmup": args.warmup, "distinct": args.distinct, "blocked": args.blocked,
+                     "torch_threads": threads, "kv_cache_entries": 0},
+            "frame_bytes": [len(frame) for frame in frames],
+            "results": results,
+        })
+        print(f"\nresults: {path}")
+
+
+if __name__ == "__main__":
+    main()

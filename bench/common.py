@@ -1,0 +1,290 @@
+"""What every benchmark script shares: percentiles, the machine it ran on, a markdown table, the JSON
+results file, the tiny checkpoint, and a live server on 127.0.0.1.
+
+Only the standard library is imported at module level, so `bench_gpu.py` can use this module on a
+GPU box that has torch and transformers but no Starlette or uvicorn; the server helpers import them
+when they are called.
+
+Conventions (docs/benchmarks.md): latencies are wall-clock seconds from `time.perf_counter()`,
+reported in milliseconds; p50/p95 interpolate linearly between the two nearest ranks (numpy's default),
+so they are comparable with numbers from numpy-based tools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "djev-bench"
+
+
+# ---------------------------------------------------------------------------------------- numbers
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between the closest ranks."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def latency_summary(seconds: Sequence[float]) -> dict[str, float]:
+    """n, p50, p95, mean, min and max of durations given in seconds, reported in milliseconds."""
+    ms = [s * 1000.0 for s in seconds]
+    if not ms:
+        return {"n": 0, "p50_ms": float("nan"), "p95_ms": float("nan"), "mean_ms": float("nan"),
+                "min_ms": float("nan"), "max_ms": float("nan")}
+    return {
+        "n": len(ms),
+        "p50_ms": round(percentile(ms, 50), 3),
+        "p95_ms": round(percentile(ms, 95), 3),
+        "mean_ms": round(sum(ms) / len(ms), 3),
+        "min_ms": round(min(ms), 3),
+        "max_ms": round(max(ms), 3),
+    }
+
+
+def fmt(value: float, digits: int = 1) -> str:
+    """A table cell: fixed digits, or a dash for a missing (NaN) value."""
+    return "-" if value != value else f"{value:.{digits}f}"
+
+
+# ---------------------------------------------------------------------------------------- reporting
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_revision() -> str:
+    """The commit the benchmark ran on, with "+dirty" when the tree has changes ("" outside git)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers depend on: CPU, cores, Python, torch and transformers, the accelerator."""
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git": git_revision(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["device"] = torch.cuda.get_device_name(0)
+            info["cuda"] = torch.version.cuda
+        else:
+            info["device"] = "cpu"
+    except ImportError:
+        info["device"] = "cpu"
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def command_line() -> str:
+    """The command as typed, runnable again from the repository root."""
+    script = Path(sys.argv[0])
+    try:
+        script = script.resolve().relative_to(REPO)
+    except ValueError:
+        pass
+    return " ".join(shlex.quote(part) for part in ["python", str(script), *sys.argv[1:]])
+
+
+def header(title: str, info: dict[str, Any]) -> str:
+    """The lines that go above every results table: what, when, the command and the machine."""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cpus = f"{info.get('usable_cpus')} of {info.get('logical_cpus')} logical CPUs"
+    versions = ", ".join(f"{name} {info[name]}" for name in ("python", "torch", "transformers") if name in info)
+    if "torch_threads" in info:
+        versions += f", torch intra-op threads {info['torch_threads']}"
+    return "\n".join([
+        f"## {title}",
+        "",
+        f"- date: {date}",
+        f"- command: `{command_line()}`",
+        f"- machine: {info.get('cpu')} ({cpus}), device {info.get('device')}; {versions}",
+        f"- commit: {info.get('git') or 'unknown'}",
+    ])
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+    """Write the results (with the command, date and machine) as indented JSON; returns the path."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "command": command_line(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **payload,
+    }
+    target.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
+    return target
+
+
+# ---------------------------------------------------------------------------------------- torch, the tiny model
+
+def set_torch_threads(requested: int | None) -> int:
+    """Set torch's intra-op threads for this process; returns the count in force.
+
+    The default (None) leaves one core to the load generator and the event loop: on a small CPU box a
+    client process beside torch threads on every core oversubscribes it, and torch's spinning
+    OpenMP threads then slow a read by 10-50x, which would measure the contention, not the server.
+    """
+    import torch
+
+    if requested is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        requested = max(1, cores - 1)
+    torch.set_num_threads(requested)
+    return torch.get_num_threads()
+
+
+def quiet_transformers() -> None:
+    """No progress bars for writing and loading the tiny checkpoint: they would interleave with the
+    tables."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def tiny_checkpoint() -> Path:
+    """The tiny random-weight checkpoint, written once into the cache and reused.
+
+    The folder name carries a hash of `app/engine/tiny.py` and the transformers version, so a change
+    to either builds a new one instead of benchmarking a stale model. It is written to a temporary
+    folder and renamed into place, so two benchmarks starting at once cannot see half a checkpoint.
+    """
+    import transformers
+
+    from app.engine.tiny import write_tiny_model
+
+    quiet_transformers()
+    digest = hashlib.sha256((REPO / "app" / "engine" / "tiny.py").read_bytes()).hexdigest()[:12]
+    target = CACHE_DIR / f"tiny-{digest}-tf{transformers.__version__}"
+    if (target / "djev.json").is_file():
+        return target
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="tiny-", dir=CACHE_DIR))
+    write_tiny_model(scratch / "model")
+    try:
+        (scratch / "model").rename(target)
+    except OSError:  # another process got there first
+        pass
+    shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def tiny_reader(checkpoint: Path, settings: Any = None):
+    """A fresh hf reader on the tiny checkpoint, on the CPU, with the limits of `settings` (default:
+    the server's defaults) mapped the way `djev serve` maps them (app/cli.py, build_reader). A reader
+    belongs to one event loop, so the in-process measurements and the server each get their own."""
+    from app.cli import hf_options
+    from app.config import Settings
+    from app.engine.hf import load_hf_reader
+    from app.engine.tiny import TINY_MODEL_NAME
+
+    quiet_transformers()
+    settings = (settings or Settings()).replace(device="cpu")
+    return load_hf_reader(checkpoint, hf_options(settings, TINY_MODEL_NAME, tiny=True))
+
+
+# ---------------------------------------------------------------------------------------- servers
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def live_server(app: Any, ws_max_size: int = 16 * 1024 * 1024) -> Iterator[str]:
+    """Serve `app` with uvicorn on 127.0.0.1 (a free port) in a background thread; yields the base URL.
+
+    Uvicorn runs with the options `djev serve` uses (app/server.py, serve_app: no access log, no proxy
+    headers, lifespan on), so the app's lifespan starts the reader in the server's own event loop.
+    """
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                            proxy_headers=False, lifespan="on", ws_max_size=ws_max_size)
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), name="bench-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the benchmark server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@contextmanager
+def tiny_server(checkpoint: Path, **settings: Any) -> Iterator[tuple[str, Any]]:
+    """The real app (`create_app`) on its own tiny-model reader, served on 127.0.0.1.
+
+    `settings` override `Settings` fields, the reader's limits included (see `tiny_reader`). The
+    pages are off and the log is quiet (no per-decision log line); everything else is the server's
+    default. Yields (base URL, reader); the reader's `stats` counters show what the engine did.
+    """
+    from app.config import Settings
+    from app.server import create_app
+
+    config = Settings(host="127.0.0.1", pages=False, log_level="warning", **settings)
+    reader = tiny_reader(checkpoint, config)
+    app = create_app(config, reader)
+    with live_server(app, ws_max_size=config.max_image_bytes + 65536) as url:
+        yield url, reader
