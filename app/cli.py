@@ -122,6 +122,7 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
         canvas_length=settings.canvas,
         tiny=tiny,
         torch_threads=settings.torch_threads,
+        cuda_graphs=settings.cuda_graphs,
     )
 
 

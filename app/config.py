@@ -56,6 +56,8 @@ class Settings:
         "MAX_INFLIGHT", "decisions at once; more get 529 with Retry-After"))
     max_batch_rows: int = field(default=64, metadata=_meta("MAX_BATCH_ROWS", "canvases per decoder pass"))
     kv_cache_entries: int = field(default=64, metadata=_meta("KV_CACHE_ENTRIES", "encoded prompts kept for reuse"))
+    cuda_graphs: bool = field(default=True, metadata=_meta(
+        "CUDA_GRAPHS", "1 replays decoder passes as CUDA graphs (CUDA only; 0 = eager)"))
     torch_threads: int = field(default=0, metadata=_meta("TORCH_THREADS", "CPU threads torch may use; 0 = torch's default"))
     pages: bool = field(default=True, metadata=_meta("TEST_PAGE", "1 serves the browser pages (/, /walk, /cube)"))
     log_level: str = field(default="info", metadata=_meta("LOG_LEVEL", "debug, info, warning"))

@@ -167,30 +167,35 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     server = Settings()  # the server's defaults for the prompt and batch limits
 
-    def runner(kv_entries: int) -> Any:
+    def runner(kv_entries: int, graphs: bool) -> Any:
         return DiffusionRunner(model, None, device=device, max_prompt_tokens=server.max_prompt_tokens,
-                               kv_entries=kv_entries, max_rows=server.max_batch_rows)
+                               kv_entries=kv_entries, max_rows=server.max_batch_rows, cuda_graphs=graphs)
 
-    uncached, cached = runner(0), runner(8)  # one model; the prompt KV cache off, and on
     specs = Specs(int(model.config.text_config.vocab_size), args.prompt_tokens)
     one = specs.read()
     batch = [specs.read() for _ in range(max(BATCHES))]
     samples = specs.read(canvases=SAMPLES)
 
     cases: list[dict[str, Any]] = []
+    for mode in args.modes:
+        graphs = mode == "graphs"
+        uncached, cached = runner(0, graphs), runner(8, graphs)  # one model; the prompt KV cache off, and on
 
-    def case(name: str, reads: int, canvases: int, run: Any, call: Callable[[], Any]) -> None:
-        result = timed(call, args.warmup, args.reps, run, sync)
-        result.update(case=name, reads=reads, canvases=canvases, reads_per_s=reads / (result["p50_ms"] / 1000))
-        cases.append(result)
-        print(f"  {name}: median {result['p50_ms']:.1f} ms", flush=True)
+        def case(name: str, reads: int, canvases: int, run: Any, call: Callable[[], Any]) -> None:
+            result = timed(call, args.warmup, args.reps, run, sync)
+            result.update(case=f"{name} [{mode}]", reads=reads, canvases=canvases,
+                          reads_per_s=reads / (result["p50_ms"] / 1000))
+            cases.append(result)
+            print(f"  {name} [{mode}]: median {result['p50_ms']:.1f} ms", flush=True)
 
-    case("(a) one read, prompt not cached", 1, 1, uncached, lambda: read_all(uncached, [one]))
-    case("(b) one read, prompt KV cached", 1, 1, cached, lambda: read_all(cached, [one]))
-    for size in BATCHES:
-        case(f"(c) batch of {size}, one call", size, size, uncached,
-             lambda size=size: read_all(uncached, batch[:size]))
-    case(f"(d) one decision, samples {SAMPLES}", 1, SAMPLES, uncached, lambda: read_all(uncached, [samples]))
+        case("(a) one read, prompt not cached", 1, 1, uncached, lambda: read_all(uncached, [one]))
+        case("(b) one read, prompt KV cached", 1, 1, cached, lambda: read_all(cached, [one]))
+        for size in BATCHES:
+            case(f"(c) batch of {size}, one call", size, size, uncached,
+                 lambda size=size: read_all(uncached, batch[:size]))
+        case(f"(d) one decision, samples {SAMPLES}", 1, SAMPLES, uncached, lambda: read_all(uncached, [samples]))
+        if graphs and uncached.graphs is not None and uncached.graphs.disabled:
+            print(f"  CUDA graphs were disabled: {uncached.graphs.disabled}", flush=True)
 
     return {
         "model": "tiny random-weight config (app/engine/tiny.py)" if args.tiny else
@@ -240,6 +245,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls per case (default 3)")
     parser.add_argument("--reps", type=int, default=15, help="timed calls per case (default 15)")
     parser.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--modes", default=None,
+                        help="decoder passes: eager, graphs (CUDA graph replay) or both, comma-separated "
+                             "(default: eager,graphs on CUDA, eager on CPU)")
     parser.add_argument("--out", default=None, help="JSON results file (default: $OUT/bench_gpu.json when $OUT is set)")
     args = parser.parse_args(argv)
     import torch
@@ -248,6 +256,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.experts is None:
         args.experts = "grouped_mm" if args.device.startswith("cuda") else "default"
+    if args.modes is None:
+        args.modes = "eager,graphs" if args.device.startswith("cuda") else "eager"
+    args.modes = [mode.strip() for mode in args.modes.split(",")]
+    if any(mode not in ("eager", "graphs") for mode in args.modes):
+        parser.error("--modes takes eager and/or graphs")
     if not args.tiny and not args.device.startswith("cuda"):
         parser.error("the full-size model needs a GPU (about 50 GiB in bf16); use --tiny to check the script on a CPU")
     if args.prompt_tokens < 1 or args.warmup < 0 or args.reps < 1:

@@ -42,6 +42,7 @@ class HFOptions:
     canvas_length: int
     tiny: bool
     torch_threads: int  # 0 = torch's default
+    cuda_graphs: bool  # replay decoder passes as CUDA graphs (CUDA only)
 
 
 def pick_device(requested: str) -> str:
@@ -89,6 +90,7 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
         kv_entries=options.kv_cache_entries,
         max_rows=options.max_batch_rows,
         generation=_generation_settings(model),
+        cuda_graphs=options.cuda_graphs,
     )
     device_label = torch.cuda.get_device_name(device) if on_cuda else "cpu"
     info = ReaderInfo(

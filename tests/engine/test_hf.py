@@ -202,3 +202,31 @@ def test_batched_prefill_equals_single_prefill(tiny_dir, tokenizer):
             for slot_a, slot_b in zip(canvas_a, canvas_b):
                 assert slot_a.argmax_id == slot_b.argmax_id
                 assert slot_a.label_logprobs == pytest.approx(slot_b.label_logprobs, abs=1e-3)
+
+
+def test_the_static_buffer_path_of_cuda_graphs_equals_the_eager_pass(tiny_reader, tokenizer):
+    """The graph path's bucketing (rows to a power of two, KV to 256), left padding, masks and padding
+    rows, run eagerly on the CPU (capture=False), give the eager pass's hidden states."""
+    import torch
+
+    from app.engine.graphs import DecoderGraphs, bucket_length, bucket_rows
+
+    assert [bucket_rows(n) for n in (1, 2, 3, 5, 33)] == [1, 2, 4, 8, 64]
+    assert [bucket_length(n) for n in (1, 256, 257)] == [256, 256, 512]
+    runner = tiny_reader.runner
+    specs = [
+        spec_for(tokenizer, "short", "q1: yes", [5, 6]),
+        spec_for(tokenizer, "a longer state that passes the sliding window " * 8, "q1: yes", [9]),
+    ]
+    with torch.no_grad():
+        encoded = runner.encode_many([spec.prompt for spec in specs])
+        rows = [(encoded[0], list(specs[0].canvases[0])), (encoded[0], list(specs[0].canvases[1])),
+                (encoded[1], list(specs[1].canvases[0]))]
+        eager = runner._decoder_hidden(rows)
+        graphs = DecoderGraphs(runner.model, runner.layer_types, runner.device, pad_id=runner._pad_id(), capture=False)
+        static = graphs.hidden(rows)
+        again = graphs.hidden(rows[:2])  # a smaller batch reuses... a different bucket, built once
+    assert static.shape == eager.shape
+    assert torch.allclose(static, eager, atol=1e-4)
+    assert torch.allclose(again, eager[:2], atol=1e-4)
+    assert len(graphs.graphs) == 2 and graphs.disabled is None

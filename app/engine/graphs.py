@@ -1,0 +1,215 @@
+"""CUDA-graph replay of the decoder pass.
+
+Measured on an H200 (docs/benchmarks.md): one eager decoder pass of the full-size model launches
+about 4,500 kernels and spends ~130 ms on the CPU for ~28 ms of GPU work. Capturing the pass once per
+shape and replaying it removes that launch overhead.
+
+Shapes are bucketed so a handful of graphs serve every read: rows to a power of two, each layer
+type's prompt KV length to a multiple of KV_BUCKET, the canvas width as it is (already a multiple of
+CANVAS_STEP). A read is loaded into static buffers (prompt KV left-padded, an explicit mask keeping
+each canvas on its own prompt and width, exactly as the eager path does) and the graph is replayed.
+Graphs share one memory pool and are kept in a small LRU. Anything unusual (self-conditioning
+between steps, shapes past the size cap, a capture that fails) goes down the eager path.
+
+With `capture=False` the same static-buffer path runs eagerly: that is how the CPU tests check the
+bucketing, padding and masks against the plain path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+log = logging.getLogger("djev.engine")
+
+KV_BUCKET = 256
+
+
+def bucket_rows(rows: int) -> int:
+    size = 1
+    while size < rows:
+        size *= 2
+    return size
+
+
+def bucket_length(length: int) -> int:
+    return max(KV_BUCKET, -(-length // KV_BUCKET) * KV_BUCKET)
+
+
+@dataclass
+class _Graph:
+    rows: int
+    width: int
+    lengths: dict[str, int]  # layer type -> bucketed KV length
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    canvas: torch.Tensor
+    positions: torch.Tensor
+    masks: dict[str, torch.Tensor]
+    cache: Any
+    graph: Any = None
+    output: torch.Tensor | None = None
+
+
+class DecoderGraphs:
+    def __init__(
+        self,
+        model: Any,
+        layer_types: Sequence[str],
+        device: torch.device,
+        *,
+        pad_id: int,
+        capture: bool,
+        max_graphs: int = 16,
+        max_token_slots: int = 16 * 1024,
+    ) -> None:
+        self.model = model
+        self.layer_types = list(layer_types)
+        self.device = device
+        self.pad_id = pad_id
+        self.capture = capture
+        self.max_graphs = max_graphs
+        self.max_token_slots = max_token_slots
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.disabled: str | None = None
+        self.captures = 0
+
+    def key(self, rows: Sequence[tuple[Any, Sequence[int]]]) -> tuple | None:
+        width = max(len(canvas) for _, canvas in rows)
+        lengths: dict[str, int] = {}
+        for index, layer_type in enumerate(self.layer_types):
+            if layer_type not in lengths:
+                lengths[layer_type] = bucket_length(max(encoded.layers[index][0].shape[2] for encoded, _ in rows))
+        batch = bucket_rows(len(rows))
+        if batch * (max(lengths.values()) + width) > self.max_token_slots:
+            return None
+        return (batch, width, tuple(sorted(lengths.items())))
+
+    def hidden(self, rows: Sequence[tuple[Any, Sequence[int]]]) -> torch.Tensor | None:
+        """The decoder's hidden states for `rows` ([len(rows), width, hidden]), or None to go eager.
+
+        The tensor lives in the graphs' shared memory pool: it is valid until the next call, so the
+        caller reads it right away (as DiffusionRunner does). Batches past `max_token_slots`
+        (rows x (KV + canvas), about 7 GiB of KV copies for the full model at the default) stay
+        eager: they are GPU-bound, where launch overhead no longer matters."""
+        if self.disabled is not None:
+            return None
+        key = self.key(rows)
+        if key is None:
+            return None
+        graph = self.graphs.get(key)
+        try:
+            if graph is None:
+                graph = self._build(key, rows)
+            else:
+                self.graphs.move_to_end(key)
+            self._load(graph, rows)
+            if graph.graph is not None:
+                graph.graph.replay()
+                output = graph.output
+            else:
+                output = self._forward(graph)
+        except Exception as exc:  # noqa: BLE001 - a capture that fails must not fail reads: go eager
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            self.graphs.clear()
+            log.warning("CUDA graphs disabled, decoder passes run eagerly: %s", self.disabled)
+            return None
+        assert output is not None
+        return output[: len(rows)]
+
+    # ------------------------------------------------------------------ building
+
+    def _build(self, key: tuple, rows: Sequence[tuple[Any, Sequence[int]]]) -> _Graph:
+        from transformers.cache_utils import DynamicCache
+
+        batch, width, lengths_items = key
+        lengths = dict(lengths_items)
+        first = rows[0][0]
+        keys, values = [], []
+        for index, layer_type in enumerate(self.layer_types):
+            k, v = first.layers[index]
+            shape = (batch, k.shape[1], lengths[layer_type], k.shape[3])
+            keys.append(torch.zeros(shape, dtype=k.dtype, device=self.device))
+            values.append(torch.zeros((batch, v.shape[1], lengths[layer_type], v.shape[3]), dtype=v.dtype,
+                                      device=self.device))
+        cache = DynamicCache()
+        for index, (k, v) in enumerate(zip(keys, values)):
+            cache.update(k, v, index)
+            # Point the cache at the static buffers themselves (update() stored a copy).
+            cache.layers[index].keys, cache.layers[index].values = k, v
+        graph = _Graph(
+            rows=batch, width=width, lengths=lengths, keys=keys, values=values,
+            canvas=torch.full((batch, width), self.pad_id, dtype=torch.long, device=self.device),
+            positions=torch.zeros((batch, width), dtype=torch.long, device=self.device),
+            masks={t: torch.zeros((batch, 1, width, n + width), dtype=torch.bool, device=self.device)
+                   for t, n in lengths.items()},
+            cache=cache,
+        )
+        self._load(graph, rows)
+        if self.capture:
+            stream = torch.cuda.Stream(device=self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the capture (allocator, cuBLAS/cuDNN plans)
+                    self._forward(graph)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph, pool=self.pool):
+                graph.output = self._forward(graph)
+            graph.graph = cuda_graph
+            self.captures += 1
+        self.graphs[key] = graph
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return graph
+
+    def _forward(self, graph: _Graph) -> torch.Tensor:
+        return self.model.model(
+            past_key_values=graph.cache,
+            decoder_input_ids=graph.canvas,
+            decoder_attention_mask=graph.masks,
+            decoder_position_ids=graph.positions,
+        ).last_hidden_state
+
+    def _load(self, graph: _Graph, rows: Sequence[tuple[Any, Sequence[int]]]) -> None:
+        """Copy a batch into the static buffers: KV left-padded to the bucket, masks, canvas, positions."""
+        width = graph.width
+        masks = {t: torch.zeros(graph.masks[t].shape, dtype=torch.bool) for t in graph.lengths}
+        canvas = torch.full((graph.rows, width), self.pad_id, dtype=torch.long)
+        positions = torch.zeros((graph.rows, width), dtype=torch.long)
+        start = 0
+        while start < len(rows):
+            encoded = rows[start][0]
+            end = start
+            while end < len(rows) and rows[end][0] is encoded:  # the noise draws of one prompt
+                end += 1
+            for index, layer_type in enumerate(self.layer_types):
+                k, v = encoded.layers[index]
+                bucket = graph.lengths[layer_type]
+                n = k.shape[2]
+                graph.keys[index][start:end, :, bucket - n:].copy_(k.expand(end - start, -1, -1, -1))
+                graph.values[index][start:end, :, bucket - n:].copy_(v.expand(end - start, -1, -1, -1))
+            for row in range(start, end):
+                canvas_ids = rows[row][1]
+                canvas[row, : len(canvas_ids)] = torch.tensor(canvas_ids, dtype=torch.long)
+                positions[row] = encoded.length + torch.arange(width)
+                for index, layer_type in enumerate(self.layer_types):
+                    if index != self.layer_types.index(layer_type):
+                        continue
+                    bucket = graph.lengths[layer_type]
+                    n = encoded.layers[index][0].shape[2]
+                    masks[layer_type][row, :, :, bucket - n:bucket] = True
+                    masks[layer_type][row, :, :, bucket:bucket + len(canvas_ids)] = True
+            start = end
+        for row in range(len(rows), graph.rows):  # padding rows attend to their own canvas: no NaN
+            for layer_type, bucket in graph.lengths.items():
+                masks[layer_type][row, :, :, bucket:bucket + width] = True
+        for layer_type in graph.lengths:
+            graph.masks[layer_type].copy_(masks[layer_type])
+        graph.canvas.copy_(canvas)
+        graph.positions.copy_(positions)
