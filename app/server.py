@@ -11,9 +11,9 @@ import asyncio
 import logging
 import secrets
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
@@ -178,6 +178,41 @@ def create_app(settings: Settings, reader: Reader, extra_routes: list | None = N
     app.state.services = services
     app.add_middleware(FrontDoor, api_key=settings.api_key)
     return app
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serve_in_background(app: Starlette, port: int | None = None, **uvicorn_options: Any) -> Iterator[str]:
+    """Serve `app` with uvicorn on 127.0.0.1 in a background thread (its own event loop, lifespan on);
+    yields the base URL. For tests, benchmarks and scripts that need a real listener in-process."""
+    import threading
+
+    import uvicorn
+
+    port = port or free_port()
+    options: dict[str, Any] = {"log_level": "warning", "access_log": False, "proxy_headers": False, **uvicorn_options}
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", **options))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), name="djev-background-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the background server did not start")
+        time.sleep(0.02)
+    scheme = "https" if options.get("ssl_certfile") else "http"
+    try:
+        yield f"{scheme}://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 async def serve_app(app: Starlette, settings: Settings, ssl: tuple[str, str] | None = None) -> None:

@@ -44,7 +44,7 @@ def main() -> None:
         specs = Specs(262144, 300)
         reads = [specs.read(), specs.read(canvases=4)] + [Specs(262144, n, seed=n).read() for n in (40, 700, 1500)]
 
-        def runner(graphs: bool = False) -> DiffusionRunner:
+        def runner(graphs: bool = False, model=model) -> DiffusionRunner:
             return DiffusionRunner(model, None, device=device, max_prompt_tokens=32768, kv_entries=64, max_rows=64,
                                    cuda_graphs=graphs)
 

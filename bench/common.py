@@ -12,7 +12,6 @@ so they are comparable with numbers from numpy-based tools.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import hashlib
 import json
@@ -20,12 +19,9 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -238,38 +234,14 @@ def tiny_reader(checkpoint: Path, settings: Any = None):
 
 # ---------------------------------------------------------------------------------------- servers
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def live_server(app: Any, ws_max_size: int = 16 * 1024 * 1024) -> Iterator[str]:
-    """Serve `app` with uvicorn on 127.0.0.1 (a free port) in a background thread; yields the base URL.
+    """Serve `app` on 127.0.0.1 (a free port) in a background thread, with the options `djev serve`
+    uses (no access log, no proxy headers, lifespan on); yields the base URL."""
+    from app.server import serve_in_background
 
-    Uvicorn runs with the options `djev serve` uses (app/server.py, serve_app: no access log, no proxy
-    headers, lifespan on), so the app's lifespan starts the reader in the server's own event loop.
-    """
-    import uvicorn
-
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                            proxy_headers=False, lifespan="on", ws_max_size=ws_max_size)
-    server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), name="bench-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the benchmark server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serve_in_background(app, ws_max_size=ws_max_size) as url:
+        yield url
 
 
 @contextmanager

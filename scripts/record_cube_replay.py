@@ -55,41 +55,13 @@ def tiny_server() -> Iterator[str]:
     from app.config import Settings
     from app.engine.hf import load_hf_reader
     from app.engine.tiny import TINY_MODEL_NAME, write_tiny_model
-    from app.server import create_app
+    from app.server import create_app, serve_in_background
 
     with tempfile.TemporaryDirectory(prefix="djev-tiny-") as folder:
         checkpoint = write_tiny_model(Path(folder) / "model")
         reader = load_hf_reader(checkpoint, hf_options(Settings(device="cpu"), TINY_MODEL_NAME, tiny=True))
-        with serve(create_app(Settings(), reader)) as url:
+        with serve_in_background(create_app(Settings(), reader)) as url:
             yield url
-
-
-@contextmanager
-def serve(app) -> Iterator[str]:
-    """uvicorn on a free port of 127.0.0.1 in a background thread; yields the base URL."""
-    import asyncio
-    import socket
-    import threading
-
-    import uvicorn
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise SystemExit("the in-process server did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
 
 
 def record(url: str, api_key: str = "", only: list[str] | None = None) -> dict:

@@ -3,17 +3,12 @@ tokenizer, a scripted reader, and live uvicorn servers on 127.0.0.1."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
-import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from app.config import Settings
+from app.server import free_port, serve_in_background  # noqa: F401 - tests import free_port from here
 from app.cli import hf_options
 from app.engine.hf import load_hf_reader
 from app.engine.tiny import TINY_MODEL_NAME, write_tiny_model
@@ -53,34 +48,8 @@ def artifacts() -> Path:
     return ARTIFACTS
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def live_server(app, port: int | None = None, **uvicorn_options) -> Iterator[str]:
-    """Serve `app` with uvicorn on 127.0.0.1 in a background thread; yields the base URL."""
-    import uvicorn
-
-    port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **uvicorn_options)
-    server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    scheme = "https" if uvicorn_options.get("ssl_certfile") else "http"
-    try:
-        yield f"{scheme}://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
+# One way to serve an app on 127.0.0.1 in a background thread, shared with bench/ and scripts/.
+live_server = serve_in_background
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import json
 import math
 from pathlib import Path
 
-import pytest
 
 from tests.web.conftest import screenshot
 
