@@ -219,7 +219,8 @@ async def serve_app(app: Starlette, settings: Settings, ssl: tuple[str, str] | N
     """Run the HTTP listener, and the HTTPS one when `ssl` (cert, key) is given, in one loop."""
     import uvicorn
 
-    common = dict(log_level=settings.log_level.lower(), access_log=False, proxy_headers=False,
+    # log_config=None: uvicorn logs through the root logger `djev serve` configured (one format).
+    common = dict(log_level=settings.log_level.lower(), access_log=False, proxy_headers=False, log_config=None,
                   ws_max_size=settings.max_image_bytes + 65536, timeout_graceful_shutdown=5)
     http = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on", **common))
     servers = [http]
