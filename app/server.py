@@ -28,7 +28,7 @@ from app.decisions.errors import RequestError
 from app.decisions.request import Decision
 from app.decisions.run import Decider
 from app.engine.base import EngineError, EngineInputError, EngineUnavailable, Reader
-from app.web import pages, stream, systemone
+from app.web import openai, pages, stream, systemone
 from app.web.admission import Admission
 from app.web.auth import check_authorization
 from app.web.errors import HTTPError, json_response
@@ -159,6 +159,7 @@ def create_app(settings: Settings, reader: Reader, extra_routes: list | None = N
     routes: list[Any] = [
         Route("/health", health, methods=["GET"]),
         *systemone.routes,
+        *openai.routes,
         *stream.routes,
         *(pages.routes if settings.pages else []),
         *(extra_routes or []),

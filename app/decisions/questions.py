@@ -80,6 +80,25 @@ class QuestionType:
     def answer(self, question: Question, probs: Sequence[float], confidence: str) -> dict:
         raise NotImplementedError
 
+    def internal_answer(self, question: Question, label: str, probs: Sequence[float], confidence: str) -> dict:
+        """The reference's own answer shape (the chat form's reply): the label the model wrote, the
+        confidence, probabilities by name, and the type's own field."""
+        top = top_index(probs)
+        out = {
+            "type": self.name,
+            "label": label,
+            "confidence": choice_confidence(probs, confidence) if self.name != "score" else score_confidence(probs, confidence),
+            "probabilities": {alt.name: p for alt, p in zip(question.alternatives, probs)},
+        }
+        if self.name == "noul":
+            out["noul"] = probs[0]
+        elif self.name == "choice":
+            out["choice"] = question.alternatives[top].name
+        else:
+            out["score"] = sum((i + 1) * p for i, p in enumerate(probs))  # 1-based, as the reference's
+            out["level"] = question.alternatives[top].name
+        return out
+
 
 def _letters() -> tuple[str, ...]:
     upper = tuple(ascii_uppercase)

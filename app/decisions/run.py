@@ -41,6 +41,7 @@ class ReadSettings:
 @dataclass(frozen=True)
 class Outcome:
     answers: dict[str, dict | None]  # the asked questions, request order; None = skipped by ask_if
+    internal_answers: dict[str, dict | None]  # the same in the reference's own shape (the chat form)
     input_tokens: int
     output_tokens: int
     diagnostics: dict
@@ -377,12 +378,19 @@ class _Run:
     def outcome(self, started: float) -> Outcome:
         d = self.d
         answers: dict[str, dict | None] = {}
+        internal: dict[str, dict | None] = {}
         for question in self.asked:
             group = self.results.get(question.qid)
             if group is None:
-                answers[question.qid] = None
-            else:
-                answers[question.qid] = question.kind.answer(question, group.probs[question.qid], d.confidence)
+                answers[question.qid] = internal[question.qid] = None
+                continue
+            probs = group.probs[question.qid]
+            answers[question.qid] = question.kind.answer(question, probs, d.confidence)
+            label = self.labels[question.qid][group.top[question.qid]]
+            internal[question.qid] = question.kind.internal_answer(question, label, probs, d.confidence)
+            spread = group.question_diagnostics[question.qid]
+            if "stderr" in spread:
+                internal[question.qid].update(stderr=spread["stderr"], agreement=spread["agreement"])
         done = self.groups_done
         prompt_tokens = [g.prompt_tokens for g in done if g.prompt_tokens is not None]
         output_tokens = sum(g.rows + g.thought_tokens for g in done) + self.decision_thought_tokens
@@ -431,6 +439,7 @@ class _Run:
         summary = f"{' '.join(parts)} reads={reads} {total_ms:.0f}ms"
         return Outcome(
             answers=answers,
+            internal_answers=internal,
             input_tokens=max(prompt_tokens) if prompt_tokens else 0,
             output_tokens=output_tokens,
             diagnostics=diagnostics,

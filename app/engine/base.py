@@ -155,6 +155,11 @@ class ChatTokenizer(Protocol):
         """
         ...
 
+    def render_messages(self, messages: Sequence[tuple[str, str]], images: int, thinking: bool) -> list[int]:
+        """A whole conversation of (role, text) messages, the same way (images before the first
+        user text)."""
+        ...
+
 
 class Reader(Protocol):
     info: ReaderInfo

@@ -7,12 +7,9 @@ from typing import Any, Sequence
 
 from app.engine.base import ChatTokenizer
 
-# Stand-ins for the caller's text while the chat template renders. They are cut out again and the
-# caller's text is tokenized on its own with special-token strings kept as plain text, so a state
-# that contains "<turn|>" cannot close the turn early.
-_SYSTEM_SLOT = "\ue000djev-system\ue001"
-_USER_SLOT = "\ue000djev-user\ue001"
-_SLOTS = re.compile(f"({re.escape(_SYSTEM_SLOT)}|{re.escape(_USER_SLOT)})")
+# While the chat template renders, private-use stand-ins hold the place of the caller's text. They
+# are cut out again and the caller's text is tokenized on its own with special-token strings kept as
+# plain text, so a state that contains "<turn|>" cannot close the turn early.
 
 
 class HFChatTokenizer(ChatTokenizer):
@@ -50,18 +47,30 @@ class HFChatTokenizer(ChatTokenizer):
         return self._tok.convert_ids_to_tokens(int(token_id))
 
     def render_chat(self, system: str, user: str, images: int, thinking: bool) -> list[int]:
-        content: list[dict] = [{"type": "image"} for _ in range(images)]
-        content.append({"type": "text", "text": _USER_SLOT})
-        messages = [{"role": "system", "content": _SYSTEM_SLOT}, {"role": "user", "content": content}]
+        return self.render_messages([("system", system), ("user", user)], images, thinking)
+
+    def render_messages(self, messages: Sequence[tuple[str, str]], images: int, thinking: bool) -> list[int]:
+        """A conversation (role, text) up to the model's turn. The images go ahead of the text of the
+        first user message. Every text is tokenized on its own, special-token strings as plain text."""
+        slots = [f"\ue000djev-{index}\ue001" for index in range(len(messages))]
+        rendered_messages = []
+        images_placed = False
+        for (role, _), slot in zip(messages, slots):
+            if role == "user" and not images_placed:
+                content: list[dict] = [{"type": "image"} for _ in range(images)]
+                content.append({"type": "text", "text": slot})
+                rendered_messages.append({"role": role, "content": content})
+                images_placed = True
+            else:
+                rendered_messages.append({"role": role, "content": slot})
         rendered = self._tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+            rendered_messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
         )
+        texts = {slot: text for slot, (_, text) in zip(slots, messages)}
         ids: list[int] = []
-        for piece in _SLOTS.split(rendered):
-            if piece == _SYSTEM_SLOT:
-                ids.extend(self.encode(system))
-            elif piece == _USER_SLOT:
-                ids.extend(self.encode(user))
+        for piece in re.split("(" + "|".join(re.escape(slot) for slot in slots) + ")", rendered):
+            if piece in texts:
+                ids.extend(self.encode(texts[piece]))
             elif piece:
                 ids.extend(self._encode_special(piece))
         found = ids.count(self.image_placeholder_id)
