@@ -52,6 +52,7 @@ class Outcome:
 class _Group:
     questions: list[Question]
     index: int
+    chunked: bool  # its stage has several groups (a shared prompt then says a reply may be partial)
     probs: dict[str, list[float]] = field(default_factory=dict)
     top: dict[str, int] = field(default_factory=dict)
     rows: int = 0
@@ -125,7 +126,6 @@ class _Run:
         self.base_prefix: tuple[int, ...] | None = None
         self.decision_thought: dict | None = None
         self.decision_thought_tokens = 0
-        self.multi_chunk = False  # the current stage has several groups
 
     # ------------------------------------------------------------------ prompts
 
@@ -212,20 +212,20 @@ class _Run:
             return self.decider.templates.rows(head_length, lead, self.fmt, self.items(questions))
 
         stage_groups = groups(asked, rows, limit, self.d.isolate)
-        self.multi_chunk = len(stage_groups) > 1
+        chunked = len(stage_groups) > 1
         if self.d.sequential or len(stage_groups) == 1:
             for questions in stage_groups:
-                group = self.new_group(questions)
+                group = self.new_group(questions, chunked)
                 await self.run_group(group, conditioned or (self.d.sequential and bool(self.lines)))
                 self.absorb(group)
         else:
-            batch = [self.new_group(questions) for questions in stage_groups]
+            batch = [self.new_group(questions, chunked) for questions in stage_groups]
             await asyncio.gather(*(self.run_group(group, conditioned) for group in batch))
             for group in batch:
                 self.absorb(group)
 
-    def new_group(self, questions: list[Question]) -> _Group:
-        group = _Group(questions=questions, index=self.next_group)
+    def new_group(self, questions: list[Question], chunked: bool) -> _Group:
+        group = _Group(questions=questions, index=self.next_group, chunked=chunked)
         self.next_group += 1
         return group
 
@@ -284,7 +284,7 @@ class _Run:
     def group_system(self, group: _Group) -> str:
         """An unchained group lists only its own questions, unless `chunk_prompt` is shared."""
         if self.d.chunk_prompt == "shared":
-            return self.system(self.d.questions, chunked=self.multi_chunk)
+            return self.system(self.d.questions, chunked=group.chunked)
         return self.system(group.questions, chunked=False)
 
     async def image_thought(

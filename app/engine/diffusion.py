@@ -204,16 +204,21 @@ class DiffusionRunner:
         if cached is not None:
             self.stats["kv_hits"] += 1
             return cached
+        cache, length = self._encode_into_cache(prompt)
+        self.stats["kv_misses"] += 1
+        encoded = EncodedPrompt([(layer.keys, layer.values) for layer in cache.layers], length)
+        self.prompts.put(key, encoded)
+        return encoded
+
+    def _encode_into_cache(self, prompt: Prompt) -> tuple[Any, int]:
+        """One encoder pass over the prompt into a fresh cache; (cache, prompt tokens incl. images)."""
         inputs = self._expand(prompt)
         length = int(inputs["input_ids"].shape[1])
         cache = self._new_cache()
         positions = torch.arange(length, device=self.device).unsqueeze(0)
         self.model.model.encoder(past_key_values=cache, position_ids=positions, **inputs)
-        self.stats["kv_misses"] += 1
         self.stats["encoder_passes"] += 1
-        encoded = EncodedPrompt([(layer.keys, layer.values) for layer in cache.layers], length)
-        self.prompts.put(key, encoded)
-        return encoded
+        return cache, length
 
     @torch.no_grad()
     def encode_many(self, prompts: Sequence[Prompt]) -> list[EncodedPrompt | Exception]:
@@ -374,7 +379,7 @@ class DiffusionRunner:
                     prompt_tokens=encoded[index].length,
                 )
         self.stats["reads"] += len(specs)
-        return [r for r in results]  # type: ignore[misc]
+        return results  # type: ignore[return-value]
 
     def _read_rows(
         self,
@@ -439,12 +444,7 @@ class DiffusionRunner:
         """Block diffusion: denoise a random canvas until stable and confident (or the step cap),
         commit its argmax through the encoder, repeat; stop at a stop id or `max_tokens`."""
         # Generation extends its KV block by block, so it encodes the prompt into a cache of its own.
-        inputs = self._expand(spec.prompt)
-        length = int(inputs["input_ids"].shape[1])
-        cache = self._new_cache()
-        positions = torch.arange(length, device=self.device).unsqueeze(0)
-        self.model.model.encoder(past_key_values=cache, position_ids=positions, **inputs)
-        self.stats["encoder_passes"] += 1
+        cache, length = self._encode_into_cache(spec.prompt)
         prompt_tokens = length
         generator = self._generator(spec.seed)
         produced: list[int] = []

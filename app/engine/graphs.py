@@ -69,6 +69,8 @@ class DecoderGraphs:
     ) -> None:
         self.model = model
         self.layer_types = list(layer_types)
+        # The first layer of each type: its KV length stands for every layer of that type.
+        self.first_layer = {t: self.layer_types.index(t) for t in dict.fromkeys(self.layer_types)}
         self.device = device
         self.pad_id = pad_id
         self.capture = capture
@@ -81,10 +83,8 @@ class DecoderGraphs:
 
     def key(self, rows: Sequence[tuple[Any, Sequence[int]]]) -> tuple | None:
         width = max(len(canvas) for _, canvas in rows)
-        lengths: dict[str, int] = {}
-        for index, layer_type in enumerate(self.layer_types):
-            if layer_type not in lengths:
-                lengths[layer_type] = bucket_length(max(encoded.layers[index][0].shape[2] for encoded, _ in rows))
+        lengths = {t: bucket_length(max(encoded.layers[index][0].shape[2] for encoded, _ in rows))
+                   for t, index in self.first_layer.items()}
         batch = bucket_rows(len(rows))
         if batch * (max(lengths.values()) + width) > self.max_token_slots:
             return None
@@ -198,9 +198,7 @@ class DecoderGraphs:
                 canvas_ids = rows[row][1]
                 canvas[row, : len(canvas_ids)] = torch.tensor(canvas_ids, dtype=torch.long)
                 positions[row] = encoded.length + torch.arange(width)
-                for index, layer_type in enumerate(self.layer_types):
-                    if index != self.layer_types.index(layer_type):
-                        continue
+                for layer_type, index in self.first_layer.items():
                     bucket = graph.lengths[layer_type]
                     n = encoded.layers[index][0].shape[2]
                     masks[layer_type][row, :, :, bucket - n:bucket] = True
