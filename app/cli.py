@@ -10,7 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Sequence
 
-from app.config import Settings
+from app.config import Settings, field_kind
 
 log = logging.getLogger("djev")
 
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Start the decision server. Every flag overrides the environment variable named in its help."))
     for f in fields(Settings):
         env = f.metadata["env"]
-        kind = {"int": int, "bool": bool}.get(str(f.type), str)
+        kind = field_kind(f)
         if kind is bool:
             serve.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=f"{f.metadata['help']} (env {env})")

@@ -14,8 +14,9 @@ from app.decisions.request import Limits
 from app.decisions.run import ReadSettings
 
 
-# The engines this build has. (DESIGN.md plans vllm and remote readers behind the same Reader protocol.)
+# The engines this build has.
 ENGINES = ("hf",)
+LOG_FORMATS = ("text", "json")
 
 
 def _meta(env: str, help: str) -> dict:
@@ -43,8 +44,18 @@ class Settings:
     confidence: str = field(default="djev", metadata=_meta(
         "CONFIDENCE", "djev: p of the answer; jev: Jev's concentration formulas"))
     isolate: bool = field(default=False, metadata=_meta("ISOLATE", "1 reads every question in its own canvas"))
+    default_seed: int = field(default=42, metadata=_meta(
+        "DEFAULT_SEED", "seed of a request that sends none (decisions and raw generation)"))
+    auto_max: int = field(default=4, metadata=_meta("AUTO_MAX", "reads in all when samples is auto and a read is unsure"))
+    auto_threshold: float = field(default=0.1, metadata=_meta(
+        "AUTO_THRESHOLD", "entropy (nats) of a label distribution past which auto reads again"))
     max_samples: int = field(default=32, metadata=_meta("MAX_SAMPLES", "cap on samples and auto_max"))
     max_questions: int = field(default=256, metadata=_meta("MAX_QUESTIONS", "questions per request"))
+    max_id_length: int = field(default=256, metadata=_meta("MAX_ID_LENGTH", "characters per question id"))
+    max_steps: int = field(default=8, metadata=_meta("MAX_STEPS", "denoise steps a read may ask for"))
+    max_think: int = field(default=4096, metadata=_meta("MAX_THINK", "thought tokens a request's think may ask for"))
+    max_thought_tokens: int = field(default=8192, metadata=_meta(
+        "MAX_THOUGHT_TOKENS", "thought tokens one request may cost in all (think x the groups that think)"))
     max_body_bytes: int = field(default=32 * 1024 * 1024, metadata=_meta("MAX_BODY_BYTES", "request body limit"))
     max_images: int = field(default=8, metadata=_meta("MAX_IMAGES", "images per request"))
     max_image_bytes: int = field(default=8 * 1024 * 1024, metadata=_meta("MAX_IMAGE_BYTES", "bytes per image"))
@@ -54,6 +65,12 @@ class Settings:
     max_prompt_tokens: int = field(default=32768, metadata=_meta("MAX_PROMPT_TOKENS", "prompt tokens per read"))
     max_inflight: int = field(default=256, metadata=_meta(
         "MAX_INFLIGHT", "decisions at once; more get 529 with Retry-After"))
+    max_inflight_cost: int = field(default=16384, metadata=_meta(
+        "MAX_INFLIGHT_COST", "canvases plus thought tokens of the decisions in flight; more get 529"))
+    request_timeout: float = field(default=120.0, metadata=_meta(
+        "REQUEST_TIMEOUT", "seconds a decision or generation may take; then 504 and its queued work is dropped"))
+    max_sessions: int = field(default=32, metadata=_meta(
+        "MAX_SESSIONS", "camera sessions at once; more are refused with close code 1013"))
     max_batch_rows: int = field(default=64, metadata=_meta("MAX_BATCH_ROWS", "canvases per decoder pass"))
     kv_cache_entries: int = field(default=64, metadata=_meta("KV_CACHE_ENTRIES", "encoded prompts kept for reuse"))
     cuda_graphs: bool = field(default=True, metadata=_meta(
@@ -61,6 +78,8 @@ class Settings:
     torch_threads: int = field(default=0, metadata=_meta("TORCH_THREADS", "CPU threads torch may use; 0 = torch's default"))
     pages: bool = field(default=True, metadata=_meta("TEST_PAGE", "1 serves the browser pages (/, /walk, /cube)"))
     log_level: str = field(default="info", metadata=_meta("LOG_LEVEL", "debug, info, warning"))
+    log_format: str = field(default="text", metadata=_meta(
+        "LOG_FORMAT", "text, or json: one JSON object per line with the request id"))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
@@ -82,6 +101,8 @@ class Settings:
             problems.append(f"ENGINE must be one of {', '.join(ENGINES)}, not {self.engine!r}")
         if self.thought_placement not in ("prompt", "canvas"):
             problems.append(f"THOUGHT_PLACEMENT must be prompt or canvas, not {self.thought_placement!r}")
+        if self.log_format not in LOG_FORMATS:
+            problems.append(f"LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, not {self.log_format!r}")
         if self.confidence not in ("djev", "jev"):
             problems.append(f"CONFIDENCE must be djev or jev, not {self.confidence!r}")
         if not 16 <= self.canvas <= 4096:
@@ -90,9 +111,17 @@ class Settings:
             problems.append("CANVAS_STEP must be at least 1")
         for name in ("max_samples", "max_questions", "max_body_bytes", "max_images", "max_image_bytes",
                      "max_total_image_bytes", "max_image_pixels", "max_prompt_tokens", "max_inflight",
-                     "max_batch_rows"):
+                     "max_batch_rows", "auto_max", "max_id_length", "max_steps", "max_inflight_cost",
+                     "max_sessions"):
             if getattr(self, name) < 1:
                 problems.append(f"{_env_name(name)} must be at least 1")
+        for name in ("max_think", "max_thought_tokens"):
+            if getattr(self, name) < 0:
+                problems.append(f"{_env_name(name)} must be at least 0")
+        if not self.request_timeout > 0:
+            problems.append("REQUEST_TIMEOUT must be more than 0 seconds")
+        if not self.auto_threshold >= 0:
+            problems.append("AUTO_THRESHOLD must be at least 0")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -104,11 +133,17 @@ class Settings:
         return Limits(
             max_questions=self.max_questions,
             max_samples=self.max_samples,
+            max_think=self.max_think,
+            max_steps=self.max_steps,
+            max_id_length=self.max_id_length,
             max_images=self.max_images,
             max_image_bytes=self.max_image_bytes,
             max_total_image_bytes=self.max_total_image_bytes,
             confidence=self.confidence,
             isolate=self.isolate,
+            default_seed=self.default_seed,
+            auto_max=self.auto_max,
+            auto_threshold=self.auto_threshold,
         )
 
     @property
@@ -117,6 +152,8 @@ class Settings:
             canvas_length=self.canvas,
             canvas_step=self.canvas_step,
             thought_in_prompt=self.thought_placement == "prompt",
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_thought_tokens=self.max_thought_tokens,
         )
 
 
@@ -125,7 +162,7 @@ def _env_name(field_name: str) -> str:
 
 
 def _convert(f: dataclasses.Field, raw: str) -> Any:
-    kind = f.type if isinstance(f.type, type) else {"int": int, "bool": bool, "str": str}.get(str(f.type), str)
+    kind = field_kind(f)
     if kind is bool:
         lowered = raw.lower()
         if lowered in ("1", "true", "yes", "on"):
@@ -138,7 +175,19 @@ def _convert(f: dataclasses.Field, raw: str) -> Any:
             return int(raw)
         except ValueError:
             raise ValueError(f"{f.metadata['env']} must be an integer, not {raw!r}") from None
+    if kind is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{f.metadata['env']} must be a number, not {raw!r}") from None
     return raw
+
+
+def field_kind(f: dataclasses.Field) -> type:
+    """The Python type of a setting (annotations are strings under `from __future__ import annotations`)."""
+    if isinstance(f.type, type):
+        return f.type
+    return {"int": int, "bool": bool, "str": str, "float": float}.get(str(f.type), str)
 
 
 def env_table() -> list[tuple[str, str, str]]:

@@ -6,7 +6,7 @@ Measured in ONE run, so the ratios compare numbers taken side by side on the sam
     interleaved request by request so drift hits all three alike:
       engine    HFReader.read([spec]) of the exact ReadSpec the Decider sends for that decision
                 (captured by running the real Decider against a recording reader);
-      decision  parse_decision(body) + Decider.decide() in process: templating, the read, answers;
+      decision  parse_decision(body, Settings().limits) + Decider.decide() in process: templating, the read, answers;
       http      POST /v1/systemone to the real app under uvicorn on 127.0.0.1 (httpx, keep-alive).
     The differences are the decision logic (decision - engine) and the HTTP layer (http - decision);
     http_p50 / engine_p50 is the overhead ratio. Two conditions: "repeat" sends the same decision
@@ -35,6 +35,8 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
+
+from app.config import Settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -110,7 +112,7 @@ async def read_spec_for(recorder: SpecRecorder, body: dict[str, Any]) -> ReadSpe
     from app.decisions.run import Decider
 
     recorder.specs.clear()
-    await Decider(recorder).decide(parse_decision(body))
+    await Decider(recorder, Settings().read_settings).decide(parse_decision(body, Settings().limits))
     if len(recorder.specs) != 1:
         raise RuntimeError(f"the ticket decision should be one read, the Decider sent {len(recorder.specs)}")
     return recorder.specs[0]
@@ -128,7 +130,7 @@ async def single_decision(url: str, server_reader: Any, checkpoint: Path, reads:
     await reader.start()
     try:
         async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S) as client:
-            paths = Paths(reader, Decider(reader), client)
+            paths = Paths(reader, Decider(reader, Settings().read_settings), client)
             await paths.check_same_answers(ticket_body("x000000"))
             return {
                 condition: await interleaved(paths, condition, {"engine": reader, "decision": reader,
@@ -159,7 +161,7 @@ class Paths:
     async def decision(self, body: dict[str, Any]) -> int:
         from app.decisions.request import parse_decision
 
-        outcome = await self.decider.decide(parse_decision(body))
+        outcome = await self.decider.decide(parse_decision(body, Settings().limits))
         return outcome.input_tokens
 
     async def http(self, body: dict[str, Any]) -> int:
@@ -171,7 +173,7 @@ class Paths:
         """The in-process decision and the HTTP one must agree, or they did not do the same work."""
         from app.decisions.request import parse_decision
 
-        local = await self.decider.decide(parse_decision(body))
+        local = await self.decider.decide(parse_decision(body, Settings().limits))
         response = await self.client.post("/v1/systemone", json=body)
         response.raise_for_status()
         if not same(response.json()["answers"], json.loads(json.dumps(local.answers))):

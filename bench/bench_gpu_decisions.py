@@ -127,7 +127,7 @@ async def timed_decisions(decider: Any, bodies: Sequence[dict], images: Sequence
     seconds = []
     for index, body in enumerate(bodies):
         started = time.perf_counter()
-        await decider.decide(parse_decision(body, images=images[index] if images else ()))
+        await decider.decide(parse_decision(body, Settings().limits, images=images[index] if images else ()))
         seconds.append(time.perf_counter() - started)
     return seconds
 
@@ -143,7 +143,7 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
         rng = random.Random(seed * 1000 + number)
         while time.perf_counter() < deadline:
             started = time.perf_counter()
-            await decider.decide(parse_decision(ticket(rng)))
+            await decider.decide(parse_decision(ticket(rng), Settings().limits))
             latencies.append(time.perf_counter() - started)
 
     started = time.perf_counter()

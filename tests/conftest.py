@@ -14,6 +14,9 @@ from app.engine.hf import load_hf_reader
 from app.engine.tiny import TINY_MODEL_NAME, write_tiny_model
 from tests.fakes import ScriptedReader
 
+# The defaults as the server has them (Settings is the one place they are defined).
+LIMITS = Settings().limits
+
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
 

@@ -11,7 +11,7 @@ import base64
 import binascii
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from app.decisions.errors import RequestError
@@ -25,9 +25,6 @@ from app.decisions.questions import (
 )
 from app.engine.base import ImageInput
 
-DEFAULT_SEED = 42
-DEFAULT_AUTO_MAX = 4
-DEFAULT_AUTO_THRESHOLD = 0.1
 MIN_CHUNK_ROWS = 8
 MAX_SEED = 2**63 - 1
 
@@ -41,25 +38,29 @@ QUESTION_KEYS = frozenset({"type", "instructions", "criteria", "depends_on", "as
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for. Defaults live in `app.config.Settings`."""
+    """What one request may ask for, and the defaults of what it leaves out. Built by
+    `app.config.Settings.limits`, the one place their values are defined."""
 
-    max_questions: int = 256
-    max_samples: int = 32
-    max_think: int = 4096
-    max_steps: int = 8
-    max_id_length: int = 256
-    max_images: int = 8
-    max_image_bytes: int = 8 * 1024 * 1024
-    max_total_image_bytes: int = 24 * 1024 * 1024
-    confidence: str = "djev"
-    isolate: bool = False
+    max_questions: int
+    max_samples: int
+    max_think: int
+    max_steps: int
+    max_id_length: int
+    max_images: int
+    max_image_bytes: int
+    max_total_image_bytes: int
+    confidence: str
+    isolate: bool
+    default_seed: int
+    auto_max: int
+    auto_threshold: float
 
 
 @dataclass(frozen=True)
 class Samples:
     mode: str  # "fixed" or "auto"
     count: int  # fixed: the reads; auto: the most reads
-    threshold: float = DEFAULT_AUTO_THRESHOLD
+    threshold: float = 0.0
 
     def as_json(self) -> dict:
         if self.mode == "fixed":
@@ -71,9 +72,9 @@ class Samples:
 class Decision:
     questions: tuple[Question, ...]
     state_text: str
+    seed: int
+    samples: Samples
     images: tuple[ImageInput, ...] = ()
-    seed: int = DEFAULT_SEED
-    samples: Samples = field(default_factory=lambda: Samples("auto", DEFAULT_AUTO_MAX))
     steps: int = 1
     think: int = 0
     instructions: str | None = None
@@ -110,7 +111,7 @@ def _int_field(body: dict, key: str, message: str, low: int | None = None, high:
 
 def parse_decision(
     body: Any,
-    limits: Limits = Limits(),
+    limits: Limits,
     images: Sequence[ImageInput] = (),
     assets: Mapping[str, ImageInput] | None = None,
 ) -> Decision:
@@ -227,14 +228,14 @@ def _parse_options(body: dict, questions: tuple[Question, ...], limits: Limits) 
 
     samples = body.get("samples", "auto")
     auto_max = _int_field(body, "auto_max", "schema: auto_max must be an integer of at least 1", low=1)
-    threshold = body.get("auto_threshold", DEFAULT_AUTO_THRESHOLD)
+    threshold = body.get("auto_threshold", limits.auto_threshold)
     if threshold is None:
-        threshold = DEFAULT_AUTO_THRESHOLD
+        threshold = limits.auto_threshold
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) or threshold < 0:
         raise RequestError("schema: auto_threshold must be a number of at least 0", ("auto_threshold",))
     if samples is None or samples == "auto":
         # More reads than the cap are clamped, as in the reference (`--max-samples`).
-        options["samples"] = Samples("auto", min(auto_max or DEFAULT_AUTO_MAX, limits.max_samples), float(threshold))
+        options["samples"] = Samples("auto", min(auto_max or limits.auto_max, limits.max_samples), float(threshold))
     else:
         count = _int_field(body, "samples", 'schema: samples must be a positive count or "auto"', low=1)
         options["samples"] = Samples("fixed", min(count, limits.max_samples))
@@ -246,7 +247,7 @@ def _parse_options(body: dict, questions: tuple[Question, ...], limits: Limits) 
     )
     options["think"] = think or 0
     seed = _int_field(body, "seed", f"seed: must be an integer from {-MAX_SEED} to {MAX_SEED}", -MAX_SEED, MAX_SEED)
-    options["seed"] = 42 if seed is None else seed
+    options["seed"] = limits.default_seed if seed is None else seed
 
     instructions = body.get("instructions")
     if instructions is not None:

@@ -33,9 +33,13 @@ MIN_THOUGHT_ROWS = 8
 
 @dataclass(frozen=True)
 class ReadSettings:
-    canvas_length: int = 128  # the widest canvas a read may use
-    canvas_step: int = 16  # canvas widths are rounded up to a multiple of this
-    thought_in_prompt: bool = True  # the empty thought block ends the prompt instead of opening the canvas
+    """How decisions are read; built by `app.config.Settings.read_settings` (the defaults live there)."""
+
+    canvas_length: int  # the widest canvas a read may use
+    canvas_step: int  # canvas widths are rounded up to a multiple of this
+    thought_in_prompt: bool  # the empty thought block ends the prompt instead of opening the canvas
+    max_prompt_tokens: int  # a prompt past this is refused before any template work
+    max_thought_tokens: int  # think x the groups that think, per request
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ def noised(canvas: Sequence[int], slots: Sequence[int], seed: int, vocab_size: i
 class Decider:
     """Runs decisions for one reader. Holds the template cache for the reader's tokenizer."""
 
-    def __init__(self, reader: Reader, settings: ReadSettings = ReadSettings(), templates: Templates | None = None):
+    def __init__(self, reader: Reader, settings: ReadSettings, templates: Templates | None = None):
         self.reader = reader
         self.settings = settings
         self.tokenizer = reader.tokenizer

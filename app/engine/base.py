@@ -3,13 +3,28 @@
 `app/decisions/` builds `ReadSpec`s and `GenerateSpec`s and hands them to a `Reader`; a reader
 (`hf`, `vllm`, `remote`) executes them. Nothing here touches a model, so the decision logic can be
 tested against a fake reader.
+
+The scheduling contract every reader keeps (tests hold the hf engine to it; docs/design.md):
+
+- **Cancellation is the only deadline.** Callers bound a request's time by cancelling the task that
+  awaits `read()`, `generate()` or iterates `stream()` (a client that disconnects, REQUEST_TIMEOUT).
+  A reader then drops that work if it is still queued, stops it at its next step if it is running,
+  and never delivers its result; nothing else in the batch is affected.
+- **Bounded reordering.** A read waits at most for the batch being formed when it arrived plus one
+  more, whatever batching or bucketing the reader does: no read is passed over indefinitely by
+  later ones.
+- **Generation yields.** A generation gives way to waiting reads after every denoise pass, so a
+  read waits at most one pass behind a generation, however long the thought.
+- **Errors.** `EngineInputError` for input this model cannot read (a 4xx, failing only the read at
+  fault), `EngineError` for a failed model call (502), `EngineUnavailable` when the reader is not
+  running or its queue is full (503). Nothing else leaves a reader.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import AsyncIterator, Mapping, Protocol, Sequence
 
 
 @dataclass(frozen=True)
@@ -79,12 +94,18 @@ class ReadResult:
 
 @dataclass(frozen=True)
 class GenerateSpec:
-    """Plain diffusion generation: up to `max_tokens` tokens after the prompt, cut at a stop id."""
+    """Plain diffusion generation: up to `max_tokens` tokens after the prompt, cut at a stop id.
+
+    `temperature` scales the checkpoint's temperature schedule (1.0 = as the checkpoint says; 0 =
+    greedy: every position takes its most probable token); `top_p` keeps, at each sampled position,
+    the smallest set of tokens whose probability reaches it (1.0 = all)."""
 
     prompt: Prompt
     max_tokens: int
     stop_ids: tuple[int, ...]
     seed: int
+    temperature: float = 1.0
+    top_p: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +113,29 @@ class GenerateResult:
     ids: tuple[int, ...]  # generated ids before any stop id
     stopped: bool  # True when a stop id ended the generation
     prompt_tokens: int
+    passes: int = 0  # denoise passes the engine ran (0 where the engine does not say)
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """What a streaming generation has committed since its previous chunk. The last chunk has
+    `done` set, with `stopped` as in GenerateResult."""
+
+    ids: tuple[int, ...]
+    done: bool = False
+    stopped: bool = False
+    prompt_tokens: int = 0
+    passes: int = 0
+
+
+async def collect(chunks: AsyncIterator[GenerateChunk]) -> GenerateResult:
+    """A whole GenerateResult from a stream of chunks (how a reader's `generate` may be written)."""
+    ids: list[int] = []
+    last = GenerateChunk(ids=(), done=True)
+    async for chunk in chunks:
+        ids.extend(chunk.ids)
+        last = chunk
+    return GenerateResult(ids=tuple(ids), stopped=last.stopped, prompt_tokens=last.prompt_tokens, passes=last.passes)
 
 
 @dataclass(frozen=True)
@@ -104,7 +148,6 @@ class ReaderInfo:
     tiny: bool  # the tiny random-weight model: answers are random
     canvas_length: int
     checkpoint: str = ""
-    details: dict = field(default_factory=dict)
 
 
 class EngineError(Exception):
@@ -165,6 +208,11 @@ class Reader(Protocol):
     info: ReaderInfo
     tokenizer: ChatTokenizer
 
+    @property
+    def ready(self) -> bool:
+        """True while the reader accepts work (`/health` says unavailable otherwise)."""
+        ...
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
@@ -174,3 +222,13 @@ class Reader(Protocol):
         ...
 
     async def generate(self, spec: GenerateSpec) -> GenerateResult: ...
+
+    def stream(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
+        """The same generation, chunk by chunk as the engine commits tokens."""
+        ...
+
+    @property
+    def stats(self) -> Mapping[str, float]:
+        """Engine-specific counters and gauges (`/metrics` exports them as djev_<engine>_<name>):
+        e.g. the hf engine's encoder and decoder passes and prompt-cache hits, its queue depth."""
+        ...

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.decisions.errors import RequestError
+from tests.conftest import LIMITS
 from app.decisions.request import parse_decision
 
 json_values = st.recursive(
@@ -42,7 +43,7 @@ bodies = st.fixed_dictionaries(
 @given(bodies)
 def test_any_body_parses_or_is_refused_with_a_named_field(body):
     try:
-        decision = parse_decision(body)
+        decision = parse_decision(body, LIMITS)
     except RequestError as error:
         assert error.status in (400, 413, 422)
         assert error.message
@@ -54,6 +55,6 @@ def test_any_body_parses_or_is_refused_with_a_named_field(body):
 @given(json_values)
 def test_any_json_value_as_a_body(value):
     try:
-        parse_decision(value)
+        parse_decision(value, LIMITS)
     except RequestError as error:
         assert error.status in (400, 413, 422)

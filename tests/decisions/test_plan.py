@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from app.decisions.plan import gate, groups, stages
 from app.decisions.request import parse_decision
+from tests.conftest import LIMITS
 
 DEPS = {
     "urgent": {"type": "noul"},
@@ -15,7 +16,7 @@ DEPS = {
 
 
 def parsed(questions):
-    return parse_decision({"state": "x", "questions": questions}).questions
+    return parse_decision({"state": "x", "questions": questions}, LIMITS).questions
 
 
 def ids(layers):

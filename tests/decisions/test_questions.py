@@ -15,6 +15,7 @@ from app.decisions.questions import (
     top_index,
 )
 from app.decisions.request import parse_decision
+from tests.conftest import LIMITS
 
 
 def questions():
@@ -22,7 +23,7 @@ def questions():
         "n": {"type": "noul"},
         "c": {"type": "choice", "criteria": {"billing": None, "outage": None, "feature": None}},
         "s": {"type": "score", "criteria": ["calm", "annoyed", {"level": "furious"}]},
-    }}).questions
+    }}, LIMITS).questions
 
 
 def test_noul_answer_has_exactly_type_and_noul():

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import base64
 
 import pytest
 
 from app.decisions.errors import RequestError
-from app.decisions.request import Limits, parse_decision
+from tests.conftest import LIMITS
+from app.decisions.request import parse_decision
 
 TICKET = {
     "model": "jev-latest",
@@ -31,14 +34,14 @@ def question(**spec):
     return with_(questions={"q": spec})
 
 
-def refused(body, limits=Limits()) -> RequestError:
+def refused(body, limits=LIMITS) -> RequestError:
     with pytest.raises(RequestError) as info:
         parse_decision(body, limits)
     return info.value
 
 
 def test_the_readme_example_parses_in_order():
-    decision = parse_decision(TICKET)
+    decision = parse_decision(TICKET, LIMITS)
     assert [q.qid for q in decision.questions] == ["urgent", "team", "tone"]
     assert [q.model_id for q in decision.questions] == ["q1", "q2", "q3"]
     assert decision.questions[1].names == ("billing", "outage", "feature")
@@ -49,9 +52,9 @@ def test_the_readme_example_parses_in_order():
 
 
 def test_a_string_state_is_read_verbatim_and_unicode_is_kept():
-    decision = parse_decision(with_(state="  naïve café ☕  "))
+    decision = parse_decision(with_(state="  naïve café ☕  "), LIMITS)
     assert decision.state_text == "  naïve café ☕  "
-    decision = parse_decision(with_(state={"note": "日本語"}))
+    decision = parse_decision(with_(state={"note": "日本語"}), LIMITS)
     assert decision.state_text == '{"note": "日本語"}'
 
 
@@ -60,7 +63,7 @@ def test_ids_and_option_names_are_kept_byte_for_byte():
         "Ünïcode id 🚀": {"type": "choice", "criteria": {"option 😀": None, " spaced ": None}},
         "id: with colon\nand newline": {"type": "noul"},
     })
-    decision = parse_decision(body)
+    decision = parse_decision(body, LIMITS)
     assert decision.questions[0].qid == "Ünïcode id 🚀"
     assert decision.questions[0].names == ("option 😀", " spaced ")
     assert decision.questions[1].qid == "id: with colon\nand newline"
@@ -156,7 +159,7 @@ def test_ask_if_values_are_answer_names_per_type():
         "s": {"type": "score", "criteria": ["low", "high"]},
         "x": {"type": "noul", "ask_if": {"n": ["yes"], "s": ["high"]}},
     })
-    decision = parse_decision(body)
+    decision = parse_decision(body, LIMITS)
     assert decision.questions[2].depends_on == ("n", "s")
     error = refused(with_(questions={"n": {"type": "noul"}, "x": {"type": "noul", "ask_if": {"n": ["true"]}}}))
     assert "['yes', 'no']" in error.message
@@ -167,8 +170,8 @@ def test_jev_limits_are_400_with_jevs_message():
     assert error.status == 400 and error.jev_detail == "Too many choices. Must have at most 255 choices."
     error = refused(question(type="score", criteria=[f"l{i}" for i in range(11)]))
     assert error.status == 400 and error.jev_detail == "Too many score levels. Must have at most 10 levels."
-    assert len(parse_decision(question(type="choice", criteria={f"o{i}": None for i in range(255)})).questions[0].names) == 255
-    assert len(parse_decision(question(type="score", criteria=[f"l{i}" for i in range(10)])).questions[0].names) == 10
+    assert len(parse_decision(question(type="choice", criteria={f"o{i}": None for i in range(255)}), LIMITS).questions[0].names) == 255
+    assert len(parse_decision(question(type="score", criteria=[f"l{i}" for i in range(10)]), LIMITS).questions[0].names) == 10
 
 
 def test_question_count_and_id_length_limits():
@@ -180,10 +183,10 @@ def test_question_count_and_id_length_limits():
 
 
 def test_samples_and_auto_max_are_clamped_to_the_cap():
-    assert parse_decision(with_(samples=100)).samples.count == 32
-    assert parse_decision(with_(auto_max=100)).samples.count == 32
-    assert parse_decision(with_(samples=3), Limits(max_samples=2)).samples.count == 2
-    auto = parse_decision(with_(auto_max=2, auto_threshold=0.5)).samples
+    assert parse_decision(with_(samples=100), LIMITS).samples.count == 32
+    assert parse_decision(with_(auto_max=100), LIMITS).samples.count == 32
+    assert parse_decision(with_(samples=3), dataclasses.replace(LIMITS, max_samples=2)).samples.count == 2
+    auto = parse_decision(with_(auto_max=2, auto_threshold=0.5), LIMITS).samples
     assert (auto.mode, auto.count, auto.threshold) == ("auto", 2, 0.5)
 
 
@@ -191,14 +194,14 @@ def test_defaults_and_extension_values():
     decision = parse_decision(with_(
         seed=7, samples=2, steps=3, think=64, instructions={"ctx": "x"}, ask=["urgent", "tone"],
         chunk_rows=32, chunk_prompt="shared", sequential=True, isolate=True, confidence="jev",
-    ))
+    ), LIMITS)
     assert decision.seed == 7 and decision.samples.count == 2 and decision.steps == 3 and decision.think == 64
     assert decision.instructions == '{"ctx": "x"}'
     assert decision.ask == ("urgent", "tone") and [q.qid for q in decision.asked()] == ["urgent", "tone"]
     assert (decision.chunk_rows, decision.chunk_prompt, decision.sequential, decision.isolate) == (32, "shared", True, True)
     assert decision.confidence == "jev"
-    assert parse_decision(with_(seed=42.0)).seed == 42
-    assert parse_decision(TICKET, Limits(confidence="jev", isolate=True)).confidence == "jev"
+    assert parse_decision(with_(seed=42.0), LIMITS).seed == 42
+    assert parse_decision(TICKET, dataclasses.replace(LIMITS, confidence="jev", isolate=True)).confidence == "jev"
 
 
 def test_jev_content_forms_for_instructions_descriptions_and_levels():
@@ -206,7 +209,7 @@ def test_jev_content_forms_for_instructions_descriptions_and_levels():
         "n": {"type": "noul", "instructions": {"task": "x"}, "criteria": {"true": None, "false": ["ok", 1]}},
         "s": {"type": "score", "criteria": ["low", {"label": "mid"}, ["high"]]},
     })
-    decision = parse_decision(body)
+    decision = parse_decision(body, LIMITS)
     noul, score = decision.questions
     assert noul.instructions == '{"task": "x"}'
     assert noul.alternatives[0].description is None and noul.alternatives[1].description == '["ok", 1]'
@@ -216,16 +219,16 @@ def test_jev_content_forms_for_instructions_descriptions_and_levels():
 
 def test_json_images_parse_in_both_forms():
     png = base64.b64encode(b"\x89PNG fake").decode()
-    decision = parse_decision(with_(images=[f"data:image/png;base64,{png}", {"content_type": "image/jpeg", "base64": png}]))
+    decision = parse_decision(with_(images=[f"data:image/png;base64,{png}", {"content_type": "image/jpeg", "base64": png}]), LIMITS)
     assert [image.content_type for image in decision.images] == ["image/png", "image/jpeg"]
     assert decision.images[0].data == b"\x89PNG fake" and decision.images[1].source == "images[1]"
 
 
 def test_image_limits():
     png = base64.b64encode(b"x" * 100).decode()
-    error = refused(with_(images=[f"data:image/png;base64,{png}"] * 3), Limits(max_images=2))
+    error = refused(with_(images=[f"data:image/png;base64,{png}"] * 3), dataclasses.replace(LIMITS, max_images=2))
     assert error.status == 400 and "at most 2 images" in error.message
-    error = refused(with_(images=[f"data:image/png;base64,{png}"]), Limits(max_image_bytes=50))
+    error = refused(with_(images=[f"data:image/png;base64,{png}"]), dataclasses.replace(LIMITS, max_image_bytes=50))
     assert error.status == 413 and "images[0]" in error.message
-    error = refused(with_(images=[f"data:image/png;base64,{png}"] * 2), Limits(max_total_image_bytes=150))
+    error = refused(with_(images=[f"data:image/png;base64,{png}"] * 2), dataclasses.replace(LIMITS, max_total_image_bytes=150))
     assert error.status == 413 and "bytes of images" in error.message

@@ -4,14 +4,17 @@ scripted reader, with the tiny model's real tokenizer. Ids in prompts are positi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 
 import pytest
 
 from app.decisions.request import parse_decision
-from app.decisions.run import Decider, ReadSettings
+from app.config import Settings
+from app.decisions.run import Decider
 from tests.fakes import PROMPT_TOKENS, THOUGHT_TEXT, ScriptedReader
+from tests.conftest import LIMITS
 
 SCHEMA = {
     "urgent": {"type": "noul", "instructions": "Does the customer need a reply within the hour?",
@@ -31,10 +34,10 @@ DEPS = {
 TWELVE = {f"w{i}": {"type": "noul", "instructions": f"Is word {i} a name?"} for i in range(12)}
 
 
-def decide(reader, settings=ReadSettings(canvas_length=64), **body):
+def decide(reader, settings=Settings(canvas=64).read_settings, **body):
     body.setdefault("state", STATE)
     body.setdefault("questions", SCHEMA)
-    return asyncio.run(Decider(reader, settings).decide(parse_decision(body)))
+    return asyncio.run(Decider(reader, settings).decide(parse_decision(body, LIMITS)))
 
 
 def text(tokenizer, ids):
@@ -271,7 +274,7 @@ def test_steps_pass_through_to_the_reads(scripted):
 
 def test_thought_placement_in_the_canvas(tokenizer):
     reader = ScriptedReader(tokenizer)
-    decide(reader, ReadSettings(canvas_length=64, thought_in_prompt=False), samples=1)
+    decide(reader, Settings(canvas=64, thought_placement="canvas").read_settings, samples=1)
     spec = reader.reads[0]
     head = scaffold(tokenizer)
     assert spec.canvases[0][: len(head)] == head
@@ -288,7 +291,7 @@ def test_a_template_past_the_canvas_is_refused(scripted):
     outcome = decide(scripted, questions=huge, samples=1)  # one question fits a small canvas
     assert outcome.answers["big"]["choice"] == "o0"
     with pytest.raises(RequestError) as info:  # the thought block in the canvas leaves no room
-        decide(scripted, ReadSettings(canvas_length=8, thought_in_prompt=False), samples=1)
+        decide(scripted, dataclasses.replace(Settings(thought_placement="canvas").read_settings, canvas_length=8), samples=1)
     assert "the canvas holds 7" in info.value.message and info.value.status == 422
 
 
@@ -308,10 +311,10 @@ def image_inputs(n=1):
     return tuple(ImageInput(data=b"png-%d" % i, content_type="image/png", source=f"part 'photo{i}'") for i in range(n))
 
 
-def decide_with_images(reader, images, settings=ReadSettings(canvas_length=64), **body):
+def decide_with_images(reader, images, settings=Settings(canvas=64).read_settings, **body):
     body.setdefault("state", STATE)
     body.setdefault("questions", SCHEMA)
-    return asyncio.run(Decider(reader, settings).decide(parse_decision(body, images=images)))
+    return asyncio.run(Decider(reader, settings).decide(parse_decision(body, LIMITS, images=images)))
 
 
 def test_t11_images_go_ahead_of_the_state(scripted, tokenizer):
@@ -349,7 +352,7 @@ def test_image_think_that_leaves_no_room_is_refused(scripted):
     from app.decisions.errors import RequestError
 
     with pytest.raises(RequestError) as info:
-        decide_with_images(scripted, image_inputs(), ReadSettings(canvas_length=24), think=64, samples=1)
+        decide_with_images(scripted, image_inputs(), Settings(canvas=24).read_settings, think=64, samples=1)
     assert "think: the canvas leaves" in info.value.message
 
 

@@ -10,6 +10,8 @@ import pytest
 from app.decisions.request import parse_decision
 from app.decisions.run import Decider
 from app.engine.base import EngineInputError, GenerateSpec, Prompt, ReadSpec
+from app.config import Settings
+from tests.conftest import LIMITS
 
 
 def run(coro):
@@ -63,11 +65,11 @@ def test_a_batched_pass_equals_single_reads(tiny_reader, tokenizer):
 
 
 def test_concurrent_decisions_share_decoder_passes(tiny_reader):
-    decider = Decider(tiny_reader)
+    decider = Decider(tiny_reader, Settings().read_settings)
     bodies = [parse_decision({"state": f"ticket number {i}", "samples": 2, "questions": {
         "urgent": {"type": "noul", "instructions": "Urgent?"},
         "team": {"type": "choice", "criteria": {"billing": None, "outage": None}},
-    }}) for i in range(8)]
+    }}, LIMITS) for i in range(8)]
 
     async def many():
         before = dict(tiny_reader.stats)
