@@ -204,6 +204,24 @@ class ChatTokenizer(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class RelayedResponse:
+    """An upstream's answer to a relayed request: the whole body, or its chunks as they come
+    (server-sent events when the client asked for `stream`)."""
+
+    status: int
+    media_type: str
+    body: bytes = b""
+    chunks: AsyncIterator[bytes] | None = None
+
+
+class ChatRelay(Protocol):
+    """A reader backed by a vLLM OpenAI server (in process or remote) relays raw chat completions to
+    it unchanged; the raw route checks for this capability and otherwise generates itself."""
+
+    async def relay_chat(self, body: dict) -> RelayedResponse: ...
+
+
 class Reader(Protocol):
     info: ReaderInfo
     tokenizer: ChatTokenizer
