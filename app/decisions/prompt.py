@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from app.decisions.questions import Question
+from app.engine.base import ChatTokenizer
 from app.decisions.template import REPLY_INSTRUCTION
 
 HEADER = (
@@ -46,3 +47,49 @@ def restated_state(state_text: str, earlier: Sequence[str]) -> str:
     """An image state's text with the earlier stages' answers restated (image prompts cannot be
     continued token by token, so later stages read afresh with the answers in the state)."""
     return state_text + ANSWERS_SO_FAR + "\n".join(earlier)
+
+
+class ChatPrompts:
+    """Prompt token ids for reads and thoughts, over the checkpoint's chat template.
+
+    A read with no thought ends its prompt with the empty thought block (`<|channel>thought\\n
+    <channel|>`, the "scaffold") or, with `thought_in_prompt` off, opens its canvas with it, as the
+    reference did. A thinking prompt ends with an open thought channel."""
+
+    def __init__(self, tokenizer: ChatTokenizer, thought_in_prompt: bool) -> None:
+        self.tokenizer = tokenizer
+        self.thought_in_prompt = thought_in_prompt
+        self.opening = tuple(tokenizer.thought_open)
+        self.closing = tuple(tokenizer.thought_close)
+        self.scaffold = self.opening + self.closing
+
+    @property
+    def head_length(self) -> int:
+        """Canvas rows the scaffold takes when it opens the canvas."""
+        return 0 if self.thought_in_prompt else len(self.scaffold)
+
+    def with_scaffold(self, system: str, user: str, images: int) -> tuple[int, ...]:
+        """The chat prompt ending with the empty thought block."""
+        ids = tuple(self.tokenizer.render_chat(system, user, images, thinking=False))
+        return ids if ids[-len(self.scaffold):] == self.scaffold else ids + self.scaffold
+
+    def plain(self, system: str, user: str, images: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(prompt ids, canvas head) for a read with no thought."""
+        ids = self.with_scaffold(system, user, images)
+        if self.thought_in_prompt:
+            return ids, ()
+        return ids[: -len(self.scaffold)], self.scaffold
+
+    def thinking(self, system: str, user: str, images: int) -> tuple[int, ...]:
+        """The prompt with thinking on, ending with an open thought channel."""
+        ids = tuple(self.tokenizer.render_chat(system, user, images, thinking=True))
+        return ids if ids[-len(self.opening):] == self.opening else ids + self.opening
+
+    def thinking_open(self, system: str, user: str, images: int) -> tuple[int, ...]:
+        """The thinking prompt as the template renders it (an image read seeds its thought into the
+        canvas, so the prompt stops where the model's turn starts)."""
+        return tuple(self.tokenizer.render_chat(system, user, images, thinking=True))
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """Where a thought ends: the thought channel closes, or the turn does."""
+        return self.closing + (self.tokenizer.turn_close_id,)

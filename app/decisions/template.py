@@ -8,6 +8,7 @@ at its slot; every alternative of a question must change that one position and n
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
@@ -69,13 +70,15 @@ class _Body:
 
 
 class Templates:
-    """Templates and label alphabets for one tokenizer, with a bounded cache."""
+    """Templates and label alphabets for one tokenizer, with a bounded cache. Safe to use from
+    several worker threads at once (the caches are guarded; tokenizing is the tokenizer's business)."""
 
     def __init__(self, tokenizer: ChatTokenizer, cache_size: int = 4096) -> None:
         self.tokenizer = tokenizer
         self.cache_size = cache_size
         self._bodies: OrderedDict[tuple, _Body] = OrderedDict()
         self._alphabets: dict[tuple, tuple[str, ...]] = {}
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ labels
 
@@ -85,10 +88,15 @@ class Templates:
         return alphabet[:count]
 
     def _alphabet(self, candidates: tuple[str, ...], fmt: str) -> tuple[str, ...]:
+        """Verified once per label set and format, then cached."""
         key = (candidates, fmt)
-        if key not in self._alphabets:
-            self._alphabets[key] = self._verify_alphabet(candidates, fmt)
-        return self._alphabets[key]
+        with self._lock:
+            found = self._alphabets.get(key)
+        if found is None:
+            found = self._verify_alphabet(candidates, fmt)
+            with self._lock:
+                self._alphabets[key] = found
+        return found
 
     def _verify_alphabet(self, candidates: tuple[str, ...], fmt: str) -> tuple[str, ...]:
         """Keep the candidates that differ from a reference candidate at exactly one token, at the
@@ -135,17 +143,60 @@ class Templates:
 
     def _body(self, lead: str, fmt: str, items: tuple[TemplateItem, ...]) -> _Body:
         key = (lead, fmt, items)
-        cached = self._bodies.get(key)
-        if cached is not None:
-            self._bodies.move_to_end(key)
-            return cached
-        body = self._find_slots(lead, fmt, items)
-        self._bodies[key] = body
-        while len(self._bodies) > self.cache_size:
-            self._bodies.popitem(last=False)
+        with self._lock:
+            cached = self._bodies.get(key)
+            if cached is not None:
+                self._bodies.move_to_end(key)
+                return cached
+        body = self._find_slots_together(lead, fmt, items) or self._find_slots(lead, fmt, items)
+        with self._lock:
+            self._bodies[key] = body
+            while len(self._bodies) > self.cache_size:
+                self._bodies.popitem(last=False)
         return body
 
+    def _find_slots_together(self, lead: str, fmt: str, items: tuple[TemplateItem, ...]) -> _Body | None:
+        """Every question's slot and label ids from one encoding per label rank: the k-th encoding
+        puts every question that has a k-th label at it, the rest at their first. Each must differ
+        from the base exactly at those questions' slots, one token each. So a 255-option question
+        costs 255 encodings of the template, not 255 per question. None when anything does not line
+        up; `_find_slots` then checks question by question and names the one at fault."""
+        encode = self.tokenizer.encode
+        firsts = [(item.model_id, item.labels[0]) for item in items]
+        base = tuple(encode(lead + answer_text(firsts, fmt)))
+        slots: list[int | None] = [None] * len(items)
+        families: list[list[int]] = [[] for _ in items]
+        deepest = max(len(item.labels) for item in items)
+        for rank in range(1, deepest):
+            moved = [index for index, item in enumerate(items) if len(item.labels) > rank]
+            changed = list(firsts)
+            for index in moved:
+                changed[index] = (items[index].model_id, items[index].labels[rank])
+            ids = encode(lead + answer_text(changed, fmt))
+            if len(ids) != len(base):
+                return None
+            diffs = [i for i, (a, b) in enumerate(zip(ids, base)) if a != b]
+            if len(diffs) != len(moved):
+                return None
+            for index, position in zip(moved, diffs):  # both in text order
+                if slots[index] is None:
+                    slots[index] = position
+                elif slots[index] != position:
+                    return None
+                families[index].append(ids[position])
+        label_ids = []
+        for index, slot in enumerate(slots):
+            if slot is None:
+                return None
+            family = (base[slot], *families[index])
+            if len(set(family)) != len(family):
+                return None
+            label_ids.append(family)
+        return _Body(ids=base, slots=tuple(s for s in slots if s is not None), label_ids=tuple(label_ids))
+
     def _find_slots(self, lead: str, fmt: str, items: tuple[TemplateItem, ...]) -> _Body:
+        """Question by question: each label of each question in an otherwise first-label template.
+        Slower; its errors name the question whose labels do not fit."""
         encode = self.tokenizer.encode
         firsts = [(item.model_id, item.labels[0]) for item in items]
         base = tuple(encode(lead + answer_text(firsts, fmt)))

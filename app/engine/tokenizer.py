@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any, Sequence
 
 from app.engine.base import ChatTokenizer
@@ -15,6 +16,10 @@ from app.engine.base import ChatTokenizer
 class HFChatTokenizer(ChatTokenizer):
     def __init__(self, tokenizer: Any, *, vocab_size: int, image_token_id: int) -> None:
         self._tok = tokenizer
+        # A fast tokenizer's call sets its truncation and padding state on the shared Rust object,
+        # which fails ("Already borrowed") when two threads encode at once: planning runs in worker
+        # threads, so calls are serialised here.
+        self._lock = threading.RLock()
         self.vocab_size = vocab_size
         self.image_placeholder_id = image_token_id
         self.pad_id = self._special_id("<pad>", tokenizer.pad_token_id)
@@ -33,15 +38,18 @@ class HFChatTokenizer(ChatTokenizer):
         raise ValueError(f"the tokenizer has no {token!r} token: not a Gemma 4 chat tokenizer")
 
     def _encode_special(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+        with self._lock:
+            return list(self._tok.encode(text, add_special_tokens=False))
 
     def encode(self, text: str) -> list[int]:
         if not text:
             return []
-        return list(self._tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        with self._lock:
+            return list(self._tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+        with self._lock:
+            return self._tok.decode(list(ids), skip_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
         return self._tok.convert_ids_to_tokens(int(token_id))
@@ -63,9 +71,10 @@ class HFChatTokenizer(ChatTokenizer):
                 images_placed = True
             else:
                 rendered_messages.append({"role": role, "content": slot})
-        rendered = self._tok.apply_chat_template(
-            rendered_messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
-        )
+        with self._lock:
+            rendered = self._tok.apply_chat_template(
+                rendered_messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+            )
         texts = {slot: text for slot, (_, text) in zip(slots, messages)}
         ids: list[int] = []
         for piece in re.split("(" + "|".join(re.escape(slot) for slot in slots) + ")", rendered):
