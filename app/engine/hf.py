@@ -1,29 +1,33 @@
 """Engine `hf`: transformers' DiffusionGemmaForBlockDiffusion in this process, CPU or CUDA.
 
-Reads and generations from every request go into one bounded queue; a single batching loop takes
-what is waiting (up to a row budget), runs it on the one engine thread, and hands results back.
-Reads that arrive together share one decoder pass (see `diffusion.py`), so N concurrent decisions
-cost far fewer model calls than N.
+Reads and generations from every request go into one bounded FIFO queue; a single loop takes what
+is waiting (reads up to a row budget, or one pass of a generation), runs it on the one engine
+thread, and hands results back. Reads that arrive together share one decoder pass (see
+`diffusion.py`), so N concurrent decisions cost far fewer model calls than N. The loop keeps the
+scheduling contract of `app/engine/base.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from app.engine.base import (
     EngineError,
     EngineInputError,
     EngineUnavailable,
+    GenerateChunk,
     GenerateResult,
     GenerateSpec,
     ReaderInfo,
     ReadResult,
     ReadSpec,
+    collect,
 )
 
 log = logging.getLogger("djev.engine")
@@ -118,31 +122,61 @@ def _generation_settings(model: Any) -> dict:
     return settings
 
 
-@dataclass
-class _Job:
-    kind: str  # "read" or "generate"
-    payload: Any
-    future: asyncio.Future
-    rows: int
+class _ReadJob:
+    """Reads of one caller, waiting for a batch."""
+
+    def __init__(self, specs: list[ReadSpec], future: asyncio.Future) -> None:
+        self.specs = specs
+        self.future = future
+        self.rows = sum(len(spec.canvases) for spec in specs)
+
+    @property
+    def dropped(self) -> bool:
+        return self.future.done()  # cancelled by its caller (deadline, disconnect) or already failed
+
+
+class _GenerateJob:
+    """A generation that takes one model pass per turn, then goes back to the end of the queue."""
+
+    def __init__(self, spec: GenerateSpec) -> None:
+        self.spec = spec
+        self.chunks: asyncio.Queue[GenerateChunk | BaseException] = asyncio.Queue()
+        self.state: Any = None  # the runner's Generation, once its prompt is encoded
+        self.cancelled = False
+
+    @property
+    def dropped(self) -> bool:
+        return self.cancelled
+
+
+_Job = _ReadJob | _GenerateJob
 
 
 class HFReader:
-    """The batching front of the hf engine."""
+    """The scheduling front of the hf engine: one FIFO queue, one loop, one engine thread.
+
+    Each turn the loop takes the head of the queue. Reads at the head are batched together, in
+    arrival order, up to MAX_BATCH_ROWS canvases: a read never waits behind a later one, so it waits
+    at most for the batch running when it arrived plus the batches of the reads ahead of it. A
+    generation runs ONE model pass per turn and is then queued again at the end, so a read waits at
+    most one pass behind any generation. Work whose caller went away (its awaiting task cancelled)
+    is dropped when its turn comes, and a running generation stops at its next pass.
+    """
 
     def __init__(self, runner: Any, tokenizer: Any, info: ReaderInfo, options: HFOptions) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.info = info
         self.options = options
-        self._queue: asyncio.Queue[_Job] | None = None
+        self._queue: deque[_Job] = deque()
+        self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._carry: _Job | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
 
     @property
-    def stats(self) -> dict[str, int]:
-        return dict(self.runner.stats)
+    def stats(self) -> dict[str, float]:
+        return {**self.runner.stats, "queue_depth": len(self._queue)}
 
     @property
     def ready(self) -> bool:
@@ -155,7 +189,7 @@ class HFReader:
                 raise RuntimeError("this reader already runs in another event loop; give each app its own reader")
             return
         self._event_loop = loop
-        self._queue = asyncio.Queue(maxsize=self.options.queue_limit)
+        self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="djev-engine")
         self._task = asyncio.create_task(self._loop(), name="djev-batching-loop")
 
@@ -168,91 +202,135 @@ class HFReader:
                 await task
             except asyncio.CancelledError:
                 pass
-        if self._queue is not None:
-            while not self._queue.empty():
-                job = self._queue.get_nowait()
-                if not job.future.done():
-                    job.future.set_exception(EngineUnavailable("the engine stopped"))
+        while self._queue:
+            self._fail(self._queue.popleft(), EngineUnavailable("the engine stopped"))
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
 
+    # ------------------------------------------------------------------ callers
+
     async def read(self, specs: Sequence[ReadSpec]) -> list[ReadResult]:
         if not specs:
             return []
-        rows = sum(len(spec.canvases) for spec in specs)
-        return await self._submit(_Job("read", list(specs), asyncio.get_running_loop().create_future(), rows))
-
-    async def generate(self, spec: GenerateSpec) -> GenerateResult:
-        return await self._submit(_Job("generate", spec, asyncio.get_running_loop().create_future(), 1))
-
-    async def _submit(self, job: _Job) -> Any:
-        if self._queue is None or not self.ready:
-            raise EngineUnavailable("the engine is not running")
-        try:
-            self._queue.put_nowait(job)
-        except asyncio.QueueFull:
-            raise EngineUnavailable("the engine queue is full") from None
+        job = _ReadJob(list(specs), asyncio.get_running_loop().create_future())
+        self._submit(job)
         return await job.future
 
+    async def generate(self, spec: GenerateSpec) -> GenerateResult:
+        return await collect(self.stream(spec))
+
+    async def stream(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
+        job = _GenerateJob(spec)
+        self._submit(job)
+        try:
+            while True:
+                item = await job.chunks.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.done:
+                    return
+        finally:
+            job.cancelled = True  # the caller stopped listening: the loop drops it at its next turn
+
+    def _submit(self, job: _Job) -> None:
+        if self._wakeup is None or not self.ready:
+            raise EngineUnavailable("the engine is not running")
+        if len(self._queue) >= self.options.queue_limit:
+            raise EngineUnavailable("the engine queue is full")
+        self._queue.append(job)
+        self._wakeup.set()
+
+    # ------------------------------------------------------------------ the loop
+
     async def _loop(self) -> None:
-        assert self._queue is not None
+        assert self._wakeup is not None
         loop = asyncio.get_running_loop()
         while True:
-            job = self._carry or await self._queue.get()
-            self._carry = None
-            if job.future.done():  # the caller went away
+            while not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            job = self._queue.popleft()
+            if job.dropped:
                 continue
-            if job.kind == "generate":
-                await self._run(loop, job, [job])
+            if isinstance(job, _GenerateJob):
+                await self._generation_turn(loop, job)
                 continue
             batch = [job]
             rows = job.rows
-            while not self._queue.empty():
-                nxt = self._queue.get_nowait()
-                if nxt.future.done():
+            while self._queue and isinstance(self._queue[0], _ReadJob):
+                nxt = self._queue[0]
+                if nxt.dropped:
+                    self._queue.popleft()
                     continue
-                if nxt.kind != "read" or rows + nxt.rows > self.options.max_batch_rows:
-                    self._carry = nxt
+                if rows + nxt.rows > self.options.max_batch_rows:
                     break
-                batch.append(nxt)
+                batch.append(self._queue.popleft())
                 rows += nxt.rows
-            await self._run(loop, job, batch)
+            await self._read_batch(loop, batch)
 
-    async def _run(self, loop: asyncio.AbstractEventLoop, first: _Job, batch: list[_Job]) -> None:
+    async def _read_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_ReadJob]) -> None:
+        specs = [spec for job in batch for spec in job.specs]
         try:
-            if first.kind == "generate":
-                result = await loop.run_in_executor(
-                    self._executor, self.runner.generate, first.payload, self.info.canvas_length
-                )
-                if not first.future.done():
-                    first.future.set_result(result)
-                return
-            specs = [spec for job in batch for spec in job.payload]
             results = await loop.run_in_executor(self._executor, self.runner.read, specs)
-            self.runner.stats["batches"] += 1
-            offset = 0
-            for job in batch:
-                mine = results[offset:offset + len(job.payload)]
-                offset += len(job.payload)
-                if job.future.done():
-                    continue
-                failure = next((r for r in mine if isinstance(r, Exception)), None)
-                if failure is not None:
-                    job.future.set_exception(failure)
-                else:
-                    job.future.set_result(mine)
         except asyncio.CancelledError:
             for job in batch:
-                if not job.future.done():
-                    job.future.set_exception(EngineUnavailable("the engine stopped"))
+                self._fail(job, EngineUnavailable("the engine stopped"))
             raise
         except EngineInputError as exc:
             for job in batch:
-                if not job.future.done():
-                    job.future.set_exception(exc)
+                self._fail(job, exc)
+            return
         except Exception as exc:  # noqa: BLE001 - a model failure must reach every waiting request
             log.exception("engine failure")
             for job in batch:
-                if not job.future.done():
-                    job.future.set_exception(EngineError(f"engine failure: {type(exc).__name__}: {exc}"))
+                self._fail(job, EngineError(f"engine failure: {type(exc).__name__}: {exc}"))
+            return
+        self.runner.stats["batches"] += 1
+        offset = 0
+        for job in batch:
+            mine = results[offset:offset + len(job.specs)]
+            offset += len(job.specs)
+            if job.future.done():
+                continue
+            failure = next((r for r in mine if isinstance(r, Exception)), None)
+            if failure is not None:
+                job.future.set_exception(failure)
+            else:
+                job.future.set_result(mine)
+
+    async def _generation_turn(self, loop: asyncio.AbstractEventLoop, job: _GenerateJob) -> None:
+        """One model pass of a generation (its prompt encoding is the first), then back in line."""
+        try:
+            chunk = await loop.run_in_executor(self._executor, self._generation_pass, job)
+        except asyncio.CancelledError:
+            self._fail(job, EngineUnavailable("the engine stopped"))
+            raise
+        except EngineInputError as exc:
+            self._fail(job, exc)
+            return
+        except Exception as exc:  # noqa: BLE001
+            log.exception("engine failure during generation")
+            self._fail(job, EngineError(f"engine failure: {type(exc).__name__}: {exc}"))
+            return
+        if chunk is not None:
+            job.chunks.put_nowait(chunk)
+            if chunk.done:
+                return
+        if not job.cancelled:
+            self._queue.append(job)
+
+    def _generation_pass(self, job: _GenerateJob) -> GenerateChunk | None:
+        if job.state is None:
+            job.state = self.runner.start_generation(job.spec, self.info.canvas_length)
+            return None
+        return self.runner.step_generation(job.state)
+
+    @staticmethod
+    def _fail(job: _Job, exc: BaseException) -> None:
+        if isinstance(job, _ReadJob):
+            if not job.future.done():
+                job.future.set_exception(exc)
+        elif not job.cancelled:
+            job.chunks.put_nowait(exc)

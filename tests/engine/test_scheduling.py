@@ -1,0 +1,194 @@
+"""The hf engine's scheduling contract (app/engine/base.py), on a fake runner that records what the
+engine thread was asked to do: arrival order kept, a read waits at most one pass behind a
+generation, cancelled work is never run, failures reach exactly the callers they belong to."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from app.engine.base import (
+    EngineError,
+    EngineInputError,
+    GenerateChunk,
+    GenerateSpec,
+    Prompt,
+    ReaderInfo,
+    ReadResult,
+    ReadSpec,
+    SlotRead,
+)
+from app.engine.hf import HFOptions, HFReader
+
+
+def spec(tag: int, canvases: int = 1) -> ReadSpec:
+    return ReadSpec(Prompt((tag,)), tuple((tag,) for _ in range(canvases)), (0,), ((1, 2),))
+
+
+class FakeRunner:
+    """Stands in for DiffusionRunner: every call is logged; reads and passes take `delay` seconds."""
+
+    def __init__(self, delay: float = 0.03, passes: int = 6) -> None:
+        self.delay = delay
+        self.passes = passes
+        self.stats: Counter[str] = Counter()
+        self.log: list[tuple[str, object]] = []
+        self.lock = threading.Lock()
+        self.fail_tag: int | None = None
+        self.crash = False
+
+    def read(self, specs):
+        time.sleep(self.delay)
+        with self.lock:
+            self.log.append(("read", [s.prompt.ids[0] for s in specs]))
+        if self.crash:
+            raise RuntimeError("the model fell over")
+        out = []
+        for s in specs:
+            if s.prompt.ids[0] == self.fail_tag:
+                out.append(EngineInputError("unreadable", param="state"))
+            else:
+                slots = tuple((SlotRead((-0.5, -1.0), 1),) for _ in s.canvases)
+                out.append(ReadResult(slots=slots, prompt_tokens=1))
+        return out
+
+    def start_generation(self, spec, canvas_length):
+        time.sleep(self.delay)
+        self.log.append(("encode", spec.seed))
+        return {"spec": spec, "done": 0}
+
+    def step_generation(self, state):
+        time.sleep(self.delay)
+        state["done"] += 1
+        self.log.append(("pass", state["spec"].seed))
+        if state["done"] == self.passes:
+            return GenerateChunk(ids=(7,) * state["done"], done=True, stopped=False, prompt_tokens=1,
+                                 passes=state["done"])
+        return None
+
+
+def make_reader(runner: FakeRunner, max_rows: int = 64) -> HFReader:
+    options = HFOptions(device="cpu", max_prompt_tokens=100, kv_cache_entries=0, max_batch_rows=max_rows,
+                        queue_limit=64, served_name="fake", canvas_length=16, tiny=True, torch_threads=0,
+                        cuda_graphs=False)
+    info = ReaderInfo(model="fake", engine="hf", device="cpu", tiny=True, canvas_length=16)
+    return HFReader(runner, None, info, options)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_reads_keep_arrival_order_and_wait_at_most_one_batch():
+    runner = FakeRunner(delay=0.05)
+    reader = make_reader(runner, max_rows=4)
+
+    async def scenario():
+        await reader.start()
+        tasks = []
+        for tag in range(12):  # 12 one-canvas reads, 3 at a time, while batches of 4 run
+            tasks.append(asyncio.create_task(reader.read([spec(tag)])))
+            if tag % 3 == 2:
+                await asyncio.sleep(0.02)
+        await asyncio.gather(*tasks)
+        await reader.stop()
+
+    run(scenario())
+    batches = [tags for kind, tags in runner.log if kind == "read"]
+    flat = [tag for batch in batches for tag in batch]
+    assert flat == list(range(12)), "a later read was served before an earlier one"
+    assert all(len(batch) <= 4 for batch in batches)
+
+
+def test_a_read_waits_at_most_one_pass_behind_a_generation():
+    runner = FakeRunner(delay=0.03, passes=20)
+    reader = make_reader(runner)
+
+    async def scenario():
+        await reader.start()
+        generation = asyncio.create_task(reader.generate(GenerateSpec(Prompt((1,)), 64, (), seed=5)))
+        await asyncio.sleep(0.2)  # the generation is several passes in
+        before = len(runner.log)
+        await reader.read([spec(99)])
+        after = runner.log[before:]
+        result = await generation
+        await reader.stop()
+        return after, result
+
+    after, result = run(scenario())
+    read_at = next(i for i, (kind, _) in enumerate(after) if kind == "read")
+    assert read_at <= 1, f"the read waited {read_at} passes: {after[:read_at + 1]}"
+    assert result.passes == 20 and len(result.ids) == 20
+
+
+def test_a_cancelled_read_is_never_run():
+    runner = FakeRunner(delay=0.1)
+    reader = make_reader(runner, max_rows=1)
+
+    async def scenario():
+        await reader.start()
+        first = asyncio.create_task(reader.read([spec(1)]))
+        await asyncio.sleep(0.02)  # spec 1 is running; spec 2 waits in the queue
+        second = asyncio.create_task(reader.read([spec(2)]))
+        third = asyncio.create_task(reader.read([spec(3)]))
+        await asyncio.sleep(0.01)
+        second.cancel()
+        await first
+        await third
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        await reader.stop()
+
+    run(scenario())
+    served = [tag for kind, tags in runner.log if kind == "read" for tag in tags]
+    assert served == [1, 3]
+
+
+def test_a_generation_whose_caller_leaves_stops_at_its_next_pass():
+    runner = FakeRunner(delay=0.03, passes=1000)
+    reader = make_reader(runner)
+
+    async def scenario():
+        await reader.start()
+        task = asyncio.create_task(reader.generate(GenerateSpec(Prompt((1,)), 4096, (), seed=9)))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        await asyncio.sleep(0.1)
+        passes = sum(1 for kind, _ in runner.log if kind == "pass")
+        await asyncio.sleep(0.3)
+        later = sum(1 for kind, _ in runner.log if kind == "pass")
+        assert reader.stats["queue_depth"] == 0
+        await reader.stop()
+        return passes, later
+
+    passes, later = run(scenario())
+    assert later - passes <= 1 and passes < 20
+
+
+def test_an_unreadable_read_fails_alone_and_a_crash_fails_its_batch():
+    runner = FakeRunner(delay=0.05)
+    reader = make_reader(runner)
+
+    async def scenario():
+        await reader.start()
+        runner.fail_tag = 2
+        blocker = asyncio.create_task(reader.read([spec(0)]))
+        await asyncio.sleep(0.01)
+        good = asyncio.create_task(reader.read([spec(1)]))
+        bad = asyncio.create_task(reader.read([spec(2)]))
+        await blocker
+        assert len(await good) == 1
+        with pytest.raises(EngineInputError):
+            await bad
+        runner.crash = True
+        with pytest.raises(EngineError, match="the model fell over"):
+            await reader.read([spec(4)])
+        runner.crash = False
+        assert len(await reader.read([spec(5)])) == 1  # the loop survived
+        await reader.stop()
+
+    run(scenario())
