@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
@@ -28,7 +29,7 @@ from app.decisions.prompt import ChatPrompts, restated_state, system_text
 from app.decisions.questions import Question
 from app.decisions.request import Decision
 from app.decisions.template import JOIN, LINES, TemplateItem, Templates, answer_format, answer_text
-from app.engine.base import EngineInputError, GenerateSpec, Prompt, Reader, ReadResult, ReadSpec
+from app.engine.base import EngineError, EngineInputError, GenerateSpec, Prompt, Reader, ReadResult, ReadSpec
 
 MIN_THOUGHT_ROWS = 8
 
@@ -354,6 +355,11 @@ class _Run:
         prompt = await self.offload(self.prompts.thinking_open, system, user, images)
         return prompt, opening + thought_ids + closing, info, len(thought_ids)
 
+    async def checked_read(self, spec: ReadSpec) -> list[ReadResult]:
+        results = await self.reader.read([spec])
+        check_result(spec, results)
+        return results
+
     async def read(self, questions: list[Question], canvas: Canvas, prompt: Prompt) -> GroupResult:
         """The group's draws: `samples` fixed, or `auto`: one read, and the rest only when a
         question's renormalised label distribution is unsure (entropy above the threshold)."""
@@ -362,14 +368,14 @@ class _Run:
         first_entropy: dict[str, float] | None = None
         if policy.mode == "fixed":
             spec = await self.offload(self.spec, prompt, canvas, range(policy.count))
-            results: list[ReadResult] = await self.reader.read([spec])
+            results: list[ReadResult] = await self.checked_read(spec)
         else:
-            results = await self.reader.read([await self.offload(self.spec, prompt, canvas, range(1))])
+            results = await self.checked_read(await self.offload(self.spec, prompt, canvas, range(1)))
             first_entropy = first_read_entropies(questions, results[0])
             extended = max(first_entropy.values()) > policy.threshold and policy.count > 1
             if extended:
                 more = await self.offload(self.spec, prompt, canvas, range(1, policy.count))
-                results += await self.reader.read([more])
+                results += await self.checked_read(more)
         estimates, tops = await self.offload(estimate, questions, results, canvas.slots, canvas.label_ids)
         return GroupResult(
             questions=tuple(questions),
@@ -381,6 +387,29 @@ class _Run:
             rows=canvas.rows,
             prompt_tokens=max(result.prompt_tokens for result in results),
         )
+
+
+def check_result(spec: ReadSpec, results: Sequence[ReadResult]) -> None:
+    """A reader's answer must have the read's shape and finite log-probabilities, or it is the
+    engine's failure (a 502), never a crash of the decision."""
+    problem = None
+    if len(results) != 1 or len(results[0].slots) != len(spec.canvases):
+        problem = f"{len(results)} results for one read of {len(spec.canvases)} canvases"
+    else:
+        for canvas in results[0].slots:
+            if len(canvas) != len(spec.slots):
+                problem = f"{len(canvas)} slots for {len(spec.slots)}"
+                break
+            for slot, label_ids in zip(canvas, spec.label_ids):
+                values = slot.label_logprobs
+                well_formed = all(v == v and v <= 1e-4 for v in values) and any(math.isfinite(v) for v in values)
+                if len(values) != len(label_ids) or not well_formed:
+                    problem = f"log-probabilities {list(values)[:4]} for {len(label_ids)} labels"
+                    break
+            if problem:
+                break
+    if problem:
+        raise EngineError(f"the engine returned a malformed read: {problem}")
 
 
 async def _all_or_none(coroutines: Sequence[Awaitable[GroupResult]]) -> list[GroupResult]:

@@ -13,6 +13,7 @@ import pytest
 from app.decisions.request import parse_decision
 from app.config import Settings
 from app.decisions.run import Decider
+from app.engine.base import ReadResult, SlotRead
 from tests.fakes import PROMPT_TOKENS, THOUGHT_TEXT, ScriptedReader
 from tests.conftest import LIMITS
 
@@ -375,3 +376,82 @@ def test_t17_dependencies_with_an_image_restate_the_answers(scripted, tokenizer)
     placeholder_at = second.prompt.ids.index(tokenizer.image_placeholder_id)
     assert len(tokenizer.decode(second.prompt.ids[:placeholder_at])) < restated.index("Answers so far:")
     assert "A reply may cover only some of the questions" in restated
+
+
+def test_noise_is_keyed_by_canvas_content_not_position(tokenizer):
+    a, b = ScriptedReader(tokenizer), ScriptedReader(tokenizer)
+    decide(a, samples=2, isolate=True)
+    reordered = dict(reversed(list(SCHEMA.items())))
+    decide(b, samples=2, isolate=True, questions=reordered)
+    by_prompt_a = {spec.prompt.ids: spec.canvases for spec in a.reads}
+    by_prompt_b = {spec.prompt.ids: spec.canvases for spec in b.reads}
+    assert by_prompt_a == by_prompt_b  # each question reads the same prompt and canvases in any order
+
+
+def test_isolate_answers_do_not_depend_on_order_or_other_questions(tiny_reader):
+    """On the tiny model (real reads): reversing the questions or adding one changes no answer."""
+    settings = Settings(canvas=64).read_settings
+
+    async def answers(questions):
+        await tiny_reader.start()
+        try:
+            body = {"state": STATE, "questions": questions, "isolate": True, "samples": 2}
+            return (await Decider(tiny_reader, settings).decide(parse_decision(body, LIMITS))).answers
+        finally:
+            await tiny_reader.stop()
+
+    forward = asyncio.run(answers(SCHEMA))
+    backward = asyncio.run(answers(dict(reversed(list(SCHEMA.items())))))
+    more = asyncio.run(answers({"extra": {"type": "noul", "instructions": "Is it Monday?"}, **SCHEMA}))
+    # Equal up to the float noise of batching (canvases of other questions share the decoder pass).
+    def numbers(answer):
+        return [answer.get("noul", answer.get("score"))] + list(answer.get("probabilities", {}).values())
+
+    for qid in SCHEMA:
+        assert numbers(backward[qid]) == pytest.approx(numbers(forward[qid]), abs=1e-4)
+        assert numbers(more[qid]) == pytest.approx(numbers(forward[qid]), abs=1e-4)
+        assert backward[qid].get("choice") == forward[qid].get("choice") == more[qid].get("choice")
+
+
+def test_the_prompt_limit_is_checked_before_template_work(scripted):
+    from app.engine.base import EngineInputError
+
+    limited = dataclasses.replace(Settings(canvas=64).read_settings, max_prompt_tokens=50)
+    with pytest.raises(EngineInputError) as info:
+        decide(scripted, limited, samples=1)
+    assert info.value.status == 400 and info.value.error_type == "max_tokens_exceeded"
+    assert scripted.reads == []
+
+
+def test_thought_budget_counts_every_group_that_thinks(scripted):
+    budget = dataclasses.replace(Settings(canvas=64).read_settings, max_thought_tokens=100)
+    decide(scripted, budget, think=64, samples=1)  # one group: 64 tokens
+    with pytest.raises(Exception) as info:
+        decide(scripted, budget, think=64, samples=1, isolate=True)  # three groups: 192 tokens
+    assert getattr(info.value, "loc", None) == ("think",) and info.value.status == 400
+
+
+def test_plan_cost_counts_canvases_and_thought_tokens(scripted):
+    decider = Decider(scripted, Settings(canvas=64).read_settings)
+    body = {"state": STATE, "questions": SCHEMA, "samples": 3, "isolate": True, "think": 10}
+    plan = decider.plan(parse_decision(body, LIMITS))
+    assert plan.canvases == 9 and plan.thought_tokens == 30 and plan.cost == 39
+
+
+@pytest.mark.parametrize("garbage", [
+    lambda spec: [],  # no result
+    lambda spec: [ReadResult(slots=(), prompt_tokens=1)],  # no canvases
+    lambda spec: [ReadResult(slots=tuple((SlotRead((float("nan"),) * len(spec.label_ids[0]), 0),) * len(spec.slots)
+                                         for _ in spec.canvases), prompt_tokens=1)],
+    lambda spec: [ReadResult(slots=tuple((SlotRead((0.5, 0.7), 0),) * len(spec.slots) for _ in spec.canvases),
+                             prompt_tokens=1)],
+])
+def test_a_malformed_read_is_the_engines_failure(tokenizer, garbage):
+    from app.engine.base import EngineError
+
+    class Garbage(ScriptedReader):
+        async def read(self, specs):
+            return garbage(specs[0])
+
+    with pytest.raises(EngineError, match="malformed read"):
+        decide(Garbage(tokenizer), questions={"n": {"type": "noul"}}, samples=1)
