@@ -1,5 +1,5 @@
-"""The reference's chat form of a decision (behavior.md §3.2, §3.6): an OpenAI chat body whose system
-message is the question schema as JSON and whose user message is the state (JSON text, or image parts).
+"""The reference's chat form of a decision: an OpenAI chat body whose system message is the question
+schema as JSON and whose user message is the state (JSON text, or image parts).
 It becomes the Jev body `parse_decision` reads; every refusal here is a 400, as in the reference.
 """
 
@@ -8,14 +8,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from app.decisions.models import extension_keys, question_pass_through_keys
 from app.decisions.errors import RequestError
 
 SHAPE = "a structured request is exactly two messages: the schema (system) and the state JSON (user)"
 NOT_JSON = "system must be a JSON question schema and user must be JSON state or image parts"
 TYPE_ALIASES = {"bool": "noul", "boolean": "noul"}
-EXTENSION_KEYS = ("instructions", "samples", "auto_max", "auto_threshold", "steps", "think", "ask",
-                  "chunk_rows", "chunk_prompt", "sequential", "isolate", "confidence")
-QUESTION_PASS_THROUGH = ("instructions", "depends_on", "ask_if", "alone")
+# Both from the one request model, so a new request key reaches the chat form without another list.
+EXTENSION_KEYS = extension_keys()
+QUESTION_PASS_THROUGH = question_pass_through_keys()
 
 
 def _refuse(message: str, *loc: Any) -> RequestError:

@@ -10,8 +10,10 @@ class RequestError(Exception):
 
     `loc` is the path of the offending field inside the body (FastAPI style, without the leading
     "body"), e.g. ("questions", "urgent", "criteria"). `status` is 422 for validation, 400 for
-    Jev's documented limits. `jev_detail`, when set, replaces the `detail` member of the error body
-    (Jev answers some limits with a plain-string detail).
+    Jev's documented limits, 413 for sizes. `kind` is the 422 detail's `type`: pydantic's error type
+    where the rule is a pydantic one (`app.decisions.refusals`), as Jev's own server answers.
+    `jev_detail`, when set, replaces the `detail` member of the error body (Jev answers some limits
+    with a plain-string detail).
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""Answers and confidence: Jev's shapes, the reference's meaning, and Jev's formulas (jev-contract §1.5)."""
+"""Answers and confidence: Jev's shapes, the reference's meaning, and Jev's formulas."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Request validation: every rule of behavior.md §3.3–§3.4 (and Jev's limits) with the field it names."""
+"""Request validation: every rule of a decision body (and Jev's limits) with the field it names."""
 
 from __future__ import annotations
 
@@ -84,6 +84,8 @@ def test_ids_and_option_names_are_kept_byte_for_byte():
     (question(type="score", criteria=["one", None]), "must not be empty", ("questions", "q", "criteria", 1)),
     (question(type="rank"), "unknown type 'rank'", ("questions", "q", "type")),
     (question(type=None), "unknown type", ("questions", "q", "type")),
+    (question(instructions="no type"), "unknown type 'None'", ("questions", "q", "type")),
+    (with_(questions={1: {"type": "noul"}}), "ids must be strings", ("questions", 1)),
     (question(type="noul", extra=1), "unknown field 'extra'", ("questions", "q", "extra")),
     (with_(questions={"q": "noul"}), "must be an object", ("questions", "q")),
     (question(type="noul", depends_on="x"), "depends_on must be a list", ("questions", "q", "depends_on")),
@@ -94,7 +96,6 @@ def test_ids_and_option_names_are_kept_byte_for_byte():
     (with_(state=...), "state: required", ("state",)),
     (with_(state=None), "state: required", ("state",)),
     (with_(model=7), "model: must be a string", ("model",)),
-    (with_(sample=2), "unknown field 'sample'", ("sample",)),
     (with_(samples=0), "samples must be a positive count", ("samples",)),
     (with_(samples="lots"), "samples must be a positive count", ("samples",)),
     (with_(samples=True), "samples must be a positive count", ("samples",)),
@@ -125,6 +126,10 @@ def test_ids_and_option_names_are_kept_byte_for_byte():
     (with_(images=["not an image"]), "images[0]", ("images", 0)),
     (with_(images=[{"content_type": "text/plain", "base64": "AAAA"}]), "images[0]", ("images", 0)),
     (with_(images=["data:image/png;base64,***"]), "does not decode", ("images", 0)),
+    (with_(images=["data:image/png;base64,"]), "images[0]: the image is empty", ("images", 0)),
+    (with_(assets=["x"]), "assets: must map a reference", ("assets",)),
+    (with_(assets={"<image:x>": {"type": "video", "part": "asset-0"}}), "assets['<image:x>']: must be", ("assets", "<image:x>")),
+    (with_(assets={"<image:x>": {"type": "image", "part": "asset-0"}}), "the request has no part 'asset-0'", ("assets", "<image:x>")),
     ("not an object", "must be a JSON object", ()),
 ])
 def test_refusals_name_the_field(body, message, loc):
