@@ -1,8 +1,14 @@
-"""A self-signed certificate for the HTTPS listener (browsers open a webcam only on a secure origin).
+"""The HTTPS listener's certificate (browsers open a webcam only on a secure origin), issued by a
+local certificate authority that djev writes once.
 
-Written into certs/ on first start and reused; regenerated when the set of names and addresses it
-must cover changes (a new LAN address, a renamed host) or when it nears expiry. The names: localhost,
-127.0.0.1, ::1, the hostname and every local IPv4 address.
+certs/djev-ca.crt (and its key) is the authority: made on first start, kept for ten years, never
+regenerated on its own. A phone that installs it once (README "From a phone on the LAN") trusts
+every server certificate it issues: no warning, and the browser then allows what it refuses on an
+untrusted certificate (a service worker, installing the page). certs/djev.crt is the server's
+certificate followed by the authority's (the chain the listener sends); it is reissued when the set
+of names and addresses it must cover changes (a new LAN address, a renamed host), when it nears
+expiry, or when it was not issued by the current authority. The names: localhost, 127.0.0.1, ::1,
+the hostname and every local IPv4 address.
 """
 
 from __future__ import annotations
@@ -15,12 +21,20 @@ import os
 import socket
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 log = logging.getLogger("djev.tls")
 
 CERT_NAME = "djev.crt"
 KEY_NAME = "djev.key"
-VALID_DAYS = 825
+CA_CERT_NAME = "djev-ca.crt"
+CA_KEY_NAME = "djev-ca.key"
+VALID_DAYS = 825  # the longest server certificate Apple's platforms accept
+CA_VALID_DAYS = 3650
 RENEW_BEFORE_DAYS = 30
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -56,48 +70,95 @@ def wanted_names() -> tuple[list[str], list[str]]:
     return dns, ips
 
 
-def certificate_names(cert_path: Path) -> tuple[set[str], set[str], dt.datetime] | None:
+def certificate_names(cert_path: Path) -> tuple[set[str], set[str], dt.datetime, bytes] | None:
+    """(DNS names, IPs, expiry, issuer key id) of the first certificate in the file, or None."""
     from cryptography import x509
 
     try:
         cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except Exception:  # noqa: BLE001 - unreadable means regenerate
+        issuer = cert.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value.key_identifier
+    except Exception:  # noqa: BLE001 - unreadable, or self-signed by an older djev: reissue
         return None
     dns = set(sans.get_values_for_type(x509.DNSName))
     ips = {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
-    return dns, ips, cert.not_valid_after_utc
+    return dns, ips, cert.not_valid_after_utc, issuer or b""
 
 
 def ensure_certificate(cert_dir: Path) -> tuple[str, str]:
-    """The (certificate, key) paths, generating or regenerating them as needed."""
+    """The server's (certificate chain, key) paths, writing the authority and issuing as needed."""
     cert_dir.mkdir(parents=True, exist_ok=True)
+    ca_cert, ca_key = ensure_authority(cert_dir)
     cert_path, key_path = cert_dir / CERT_NAME, cert_dir / KEY_NAME
     dns, ips = wanted_names()
     current = certificate_names(cert_path) if cert_path.is_file() and key_path.is_file() else None
     now = dt.datetime.now(dt.timezone.utc)
     if current is not None:
-        have_dns, have_ips, expires = current
-        if have_dns == set(dns) and have_ips == set(ips) and expires - now > dt.timedelta(days=RENEW_BEFORE_DAYS):
+        have_dns, have_ips, expires, issuer = current
+        if (have_dns == set(dns) and have_ips == set(ips) and issuer == key_id(ca_cert)
+                and expires - now > dt.timedelta(days=RENEW_BEFORE_DAYS)):
             return str(cert_path), str(key_path)
-        log.info("certificate names or validity changed: regenerating %s", cert_path)
-    write_certificate(cert_path, key_path, dns, ips)
-    log.info("wrote a self-signed certificate for %s to %s", ", ".join(dns + ips), cert_path)
+        log.info("certificate names, validity or authority changed: reissuing %s", cert_path)
+    write_certificate(cert_path, key_path, dns, ips, ca_cert, ca_key)
+    log.info("issued a certificate for %s to %s", ", ".join(dns + ips), cert_path)
     return str(cert_path), str(key_path)
 
 
-def write_certificate(cert_path: Path, key_path: Path, dns: list[str], ips: list[str]) -> None:
+def key_id(cert: "x509.Certificate") -> bytes:
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
+
+    return x509.SubjectKeyIdentifier.from_public_key(cert.public_key()).digest
+
+
+def ca_fingerprint(cert_dir: Path) -> str:
+    """The authority's SHA-256 fingerprint as phones show it (AB:CD:...), to compare before trusting."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    cert = x509.load_pem_x509_certificate((cert_dir / CA_CERT_NAME).read_bytes())
+    return cert.fingerprint(hashes.SHA256()).hex(":").upper()
+
+
+def ensure_authority(cert_dir: Path) -> tuple["x509.Certificate", "ec.EllipticCurvePrivateKey"]:
+    """The local authority, written on first start (or when its files are unreadable or expiring)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    cert_path, key_path = cert_dir / CA_CERT_NAME, cert_dir / CA_KEY_NAME
+    now = dt.datetime.now(dt.timezone.utc)
+    try:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        if cert.not_valid_after_utc - now > dt.timedelta(days=RENEW_BEFORE_DAYS) and key_id(cert) == (
+                x509.SubjectKeyIdentifier.from_public_key(key.public_key()).digest):
+            log.info("local certificate authority %s (SHA-256 %s), served at /djev-ca.crt",
+                     cert_path, ca_fingerprint(cert_dir))
+            return cert, key  # type: ignore[return-value]
+    except (OSError, ValueError):
+        pass
+    replacing = cert_path.exists()
+    cert, key = write_authority(cert_path, key_path)
+    if replacing:
+        log.warning("wrote a new local certificate authority to %s (SHA-256 %s): phones that trusted the "
+                    "old one must install this one", cert_path, ca_fingerprint(cert_dir))
+    else:
+        log.info("wrote a local certificate authority to %s (SHA-256 %s): install it once on a phone "
+                 "(it is served at /djev-ca.crt) and the HTTPS port opens without a warning",
+                 cert_path, ca_fingerprint(cert_dir))
+    return cert, key
+
+
+def write_authority(cert_path: Path, key_path: Path) -> tuple["x509.Certificate", "ec.EllipticCurvePrivateKey"]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "djev"),
-                      x509.NameAttribute(NameOID.ORGANIZATION_NAME, "djev self-signed")])
+    # The hostname in the name tells two djev machines' authorities apart in a phone's list.
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"djev local CA ({socket.gethostname()})"[:64]),
+                      x509.NameAttribute(NameOID.ORGANIZATION_NAME, "djev")])
     now = dt.datetime.now(dt.timezone.utc)
-    alt_names: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
-    alt_names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -105,23 +166,70 @@ def write_certificate(cert_path: Path, key_path: Path, dns: list[str], ips: list
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=VALID_DAYS))
-        .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
-        # Its own issuer: a client that trusts this file trusts the server.
+        .not_valid_after(now + dt.timedelta(days=CA_VALID_DAYS))
+        # path_length=0: it issues server certificates only, never another authority.
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, content_commitment=False,
+        .add_extension(x509.KeyUsage(digital_signature=False, key_cert_sign=True, crl_sign=True,
+                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    write_private(key_path, key)
+    write_public(cert_path, [cert])
+    return cert, key
+
+
+def write_certificate(cert_path: Path, key_path: Path, dns: list[str], ips: list[str],
+                      ca_cert: "x509.Certificate", ca_key: "ec.EllipticCurvePrivateKey") -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "djev"),
+                      x509.NameAttribute(NameOID.ORGANIZATION_NAME, "djev")])
+    now = dt.datetime.now(dt.timezone.utc)
+    alt_names: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
+    alt_names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(min(now + dt.timedelta(days=VALID_DAYS), ca_cert.not_valid_after_utc))
+        .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False, content_commitment=False,
                                      key_encipherment=False, data_encipherment=False, key_agreement=False,
                                      crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
     )
-    key_bytes = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption())
-    tmp_key = key_path.with_suffix(".key.tmp")
-    with open(os.open(tmp_key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as handle:
-        handle.write(key_bytes)
-    tmp_key.replace(key_path)
-    tmp_cert = cert_path.with_suffix(".crt.tmp")
-    tmp_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    tmp_cert.replace(cert_path)
+    write_private(key_path, key)
+    # The chain the listener sends: the server's certificate, then the authority's.
+    write_public(cert_path, [cert, ca_cert])
+
+
+def write_private(path: Path, key: "ec.EllipticCurvePrivateKey") -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as handle:
+        handle.write(data)
+    tmp.replace(path)
+
+
+def write_public(path: Path, certs: "list[x509.Certificate]") -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(b"".join(cert.public_bytes(serialization.Encoding.PEM) for cert in certs))
+    tmp.replace(path)

@@ -1,5 +1,7 @@
-"""The self-signed certificate: generated once, reused, regenerated when names change, trusted by a
-client that trusts the file; and `djev serve` running HTTP and HTTPS in one process."""
+"""The HTTPS certificate: a local certificate authority written once and kept, a server certificate
+it issues (reused, reissued when names change or when an older djev self-signed it), trusted by a
+client that trusts the authority alone; the authority served at /djev-ca.crt; and `djev serve`
+running HTTP and HTTPS in one process."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from starlette.testclient import TestClient
 
 from app import tls
 from app.config import Settings
@@ -56,7 +60,7 @@ def test_a_client_trusting_the_certificate_gets_https_and_wss(tiny_dir, tmp_path
     from websockets.sync.client import connect
 
     cert, key = tls.ensure_certificate(tmp_path)
-    context = ssl.create_default_context(cafile=cert)
+    context = ssl.create_default_context(cafile=str(tmp_path / tls.CA_CERT_NAME))  # the authority alone
     app = create_app(Settings(), make_tiny_reader(tiny_dir))
     with live_server(app, ssl_certfile=cert, ssl_keyfile=key) as url:
         assert url.startswith("https://127.0.0.1")
@@ -95,3 +99,74 @@ def test_serve_runs_http_and_https_in_one_process(tiny_dir, tmp_path):
         process.terminate()
         process.wait(timeout=20)
     assert process.returncode is not None
+
+
+def load_chain(path: Path) -> list[x509.Certificate]:
+    return x509.load_pem_x509_certificates(path.read_bytes())
+
+
+def test_the_authority_is_written_once_and_issues_the_server_certificate(tmp_path):
+    cert, key = tls.ensure_certificate(tmp_path)
+    ca_path = tmp_path / tls.CA_CERT_NAME
+    (ca,) = load_chain(ca_path)
+    leaf, chained = load_chain(Path(cert))
+    assert chained == ca  # the listener sends the chain
+    leaf.verify_directly_issued_by(ca)
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is True
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.path_length == 0
+    assert leaf.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
+    assert list(leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
+        x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]
+    assert (leaf.not_valid_after_utc - leaf.not_valid_before_utc).days <= 825  # Apple's limit
+    assert (ca.not_valid_after_utc - ca.not_valid_before_utc).days >= 3650
+    assert oct(os.stat(tmp_path / tls.CA_KEY_NAME).st_mode & 0o777) == "0o600"
+    assert "PRIVATE KEY" not in ca_path.read_text()
+    assert tls.ca_fingerprint(tmp_path) == ca.fingerprint(hashes.SHA256()).hex(":").upper()
+
+
+def test_new_addresses_reissue_the_server_certificate_under_the_same_authority(tmp_path, monkeypatch):
+    cert, _ = tls.ensure_certificate(tmp_path)
+    authority = (tmp_path / tls.CA_CERT_NAME).read_bytes()
+    real = tls.wanted_names
+    monkeypatch.setattr(tls, "wanted_names", lambda: (real()[0], real()[1] + ["10.11.12.13"]))
+    cert, _ = tls.ensure_certificate(tmp_path)
+    assert (tmp_path / tls.CA_CERT_NAME).read_bytes() == authority  # a phone installs it once
+    leaf, ca = load_chain(Path(cert))
+    leaf.verify_directly_issued_by(ca)
+    assert "10.11.12.13" in sans(Path(cert))[1]
+
+
+def test_a_self_signed_certificate_from_an_older_djev_is_reissued(tmp_path):
+    cert, _ = tls.ensure_certificate(tmp_path)
+    # What djev wrote before it had an authority: one certificate, its own issuer, no authority key id.
+    (ca,) = load_chain(tmp_path / tls.CA_CERT_NAME)
+    Path(cert).write_bytes((tmp_path / tls.CA_CERT_NAME).read_bytes())
+    cert, _ = tls.ensure_certificate(tmp_path)
+    leaf, _ = load_chain(Path(cert))
+    assert leaf != ca
+    leaf.verify_directly_issued_by(ca)
+
+
+def test_a_broken_authority_is_replaced_and_the_server_certificate_reissued(tmp_path):
+    tls.ensure_certificate(tmp_path)
+    (old_ca,) = load_chain(tmp_path / tls.CA_CERT_NAME)
+    (tmp_path / tls.CA_KEY_NAME).write_text("not a key")
+    cert, _ = tls.ensure_certificate(tmp_path)
+    (new_ca,) = load_chain(tmp_path / tls.CA_CERT_NAME)
+    assert new_ca != old_ca
+    leaf, _ = load_chain(Path(cert))
+    leaf.verify_directly_issued_by(new_ca)
+
+
+def test_the_authority_is_served_for_a_phone_to_install(tiny_dir, tmp_path):
+    settings = Settings(cert_dir=str(tmp_path))
+    with TestClient(create_app(settings, make_tiny_reader(tiny_dir))) as client:
+        missing = client.get("/djev-ca.crt")
+        assert missing.status_code == 404 and "--tls-port" in missing.text
+        tls.ensure_certificate(tmp_path)
+        response = client.get("/djev-ca.crt")
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/x-x509-ca-cert"
+    assert response.content == (tmp_path / tls.CA_CERT_NAME).read_bytes()
+    assert x509.load_pem_x509_certificate(response.content).extensions.get_extension_for_class(
+        x509.BasicConstraints).value.ca is True

@@ -42,6 +42,9 @@ const IMAGE_EXAMPLE = {
 };
 
 const JPEG_QUALITY = 0.85;
+// Realtime frames are scaled to the walk page's width, so a realtime session here sends what the
+// walk page sends (and a camera's native width does not add upload time to every frame).
+const REALTIME_FRAME_WIDTH = 512;
 const RECONFIGURE_DELAY_MS = 500;
 const WEBCAM_MODES = ["oneshot", "live", "realtime"];
 
@@ -393,7 +396,7 @@ async function startRealtime() {
 async function realtimeStep(rt) {
   let frame;
   try {
-    frame = await captureJpeg(ui.video, ui.canvas, { quality: JPEG_QUALITY });
+    frame = await captureJpeg(ui.video, ui.canvas, { width: REALTIME_FRAME_WIDTH, quality: JPEG_QUALITY });
   } catch (err) {
     if (state.rt !== rt) return;
     setStatus(`realtime stopped: ${err.message}`, true);

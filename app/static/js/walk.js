@@ -4,6 +4,12 @@
 // and the arrow points the other way. One frame is in flight at a time: a result renders and the
 // next frame goes out at once.
 //
+// A walking aid must never show an old answer as if it were current: every shown answer carries its
+// age, counted from the capture of its frame, and an answer older than STALE_MS (or none at all: a
+// dropped socket, a stopped camera, a server answering errors) is replaced by "no answer — stop",
+// on screen, by voice and by vibration (walk-cues.js), until fresh answers flow again. Drawing is in
+// walk-view.js.
+//
 // Why the questions look like this (findings recorded with the page): asking for the turn directly
 // ("which side is more open") was biased right whichever side the obstacle was on, while asking
 // where the obstacle is was right at 0.95-1.00. A direction question in the same read as the
@@ -11,6 +17,12 @@
 
 import { bindApiKeyInput, errorMessage, StreamSession } from "./api.js";
 import { captureJpeg, startCamera, stopCamera } from "./camera.js";
+import {
+  Announcer, enterFullscreen, exitFullscreen, phraseFor, ScreenLock, Voice,
+} from "./walk-cues.js";
+import {
+  buildBars, hazardClass, hideArrow, metaText, setArrow, setBanner, setMuteButton, setToggle, showAge, ui, updateBars,
+} from "./walk-view.js";
 
 // name -> description, in the order the bars show them.
 const HAZARDS = {
@@ -21,8 +33,7 @@ const HAZARDS = {
   "danger: pet ahead": "a dog, cat or other animal in the path",
   "door ahead": "a door directly ahead, open or closed",
 };
-const LABELS = Object.keys(HAZARDS);
-const DANGERS = LABELS.filter((label) => label.startsWith("danger"));
+const DANGERS = Object.keys(HAZARDS).filter((label) => label.startsWith("danger"));
 
 const AHEAD_INSTRUCTIONS =
   "You are the eyes of a person walking forward. Judge only the center of the image: a window " +
@@ -42,24 +53,41 @@ const FRAME_WIDTH = 512;
 const FRAME_QUALITY = 0.7;
 const RECONNECT_MS = 1000;
 const ERROR_LINGER_MS = 3000; // an error stays readable on the status line for this long
-const ARROWS = { "go ahead": "↑", "turn left": "←", "turn right": "→" };
 
-const $ = (id) => document.getElementById(id);
-const ui = {
-  stage: $("stage"), video: $("video"), canvas: $("canvas"), arrow: $("arrow"), banner: $("banner"),
-  toggle: $("toggle"), think: $("think"), meta: $("meta"), bars: $("bars"), apiKey: $("api-key"),
-  status: $("status"),
-};
+// The oldest answer the page will show, counted from the capture of its frame. At a walking pace
+// of about 1.4 m/s, 1.5 s is the 2 meters the hazard question looks ahead: an older answer
+// describes ground the person may already be standing on. `?stale_ms=` overrides it (for tests;
+// raising it trades safety for slower answers); the guard itself cannot be turned off.
+const STALE_MS = staleLimit(new URLSearchParams(location.search).get("stale_ms"), 1500);
+const TICK_MS = 100; // how often the shown age (and the guard) is brought up to date
+const NO_ANSWER = "no answer — stop";
+
+function staleLimit(text, fallback) {
+  const value = Number(text);
+  return text !== null && Number.isFinite(value) && value > 0 ? Math.min(value, 600_000) : fallback;
+}
 
 const state = {
-  running: false,
-  link: null, // {session, inFlight, sentAt}: the current websocket; stale handlers compare against it
+  running: false, // the person pressed Start and not Stop
+  suspended: false, // running, but the page is hidden: camera and socket closed until it is visible
+  // {session, inFlight, sent, captured: Map(frame number -> capture time)}: the current websocket;
+  // handlers of an older one compare against it and do nothing.
+  link: null,
   reconnectTimer: null,
+  ticker: null,
+  shown: null, // {capturedAt}: the answer on screen, while it is fresh
+  waitingSince: 0, // with nothing shown, when the page began waiting for an answer
+  noAnswer: false, // "no answer — stop" is on screen
   frames: 0,
   dropped: 0,
-  errorAt: 0,
+  slow: 0, // answers that arrived older than STALE_MS this run
+  slowSaid: false,
+  errorAt: -Infinity, // when an error was last put on the status line
+  speechNoted: false,
 };
-const barRows = new Map(); // label -> {row, fill, pct}
+const voice = new Voice();
+const announcer = new Announcer(voice);
+const screenLock = new ScreenLock();
 
 // ------------------------------------------------------------------ the request
 
@@ -87,35 +115,6 @@ function buildRequest() {
 
 // ------------------------------------------------------------------ drawing
 
-function hazardClass(label) {
-  if (label.startsWith("all clear")) return "clear";
-  if (label.startsWith("danger")) return "danger";
-  if (label.startsWith("door")) return "door";
-  return "idle";
-}
-
-function setBanner(text, kind) {
-  ui.banner.textContent = text;
-  ui.banner.className = `banner ${kind}`;
-}
-
-function setArrow(choice, confidence) {
-  const text = `${choice} ${percent(confidence)}%`;
-  ui.arrow.textContent = ARROWS[choice];
-  ui.arrow.className = `arrow ${choice === "go ahead" ? "go" : "turn"}`;
-  ui.arrow.title = text;
-  ui.arrow.setAttribute("aria-label", text);
-  ui.arrow.dataset.choice = choice;
-}
-
-function hideArrow() {
-  ui.arrow.className = "arrow off";
-  ui.arrow.textContent = "";
-  ui.arrow.title = "";
-  ui.arrow.setAttribute("aria-label", "no direction yet");
-  delete ui.arrow.dataset.choice;
-}
-
 function setStatus(text, isError = false) {
   ui.status.textContent = text;
   ui.status.classList.toggle("status-error", isError);
@@ -123,78 +122,56 @@ function setStatus(text, isError = false) {
   if (isError) state.errorAt = performance.now();
 }
 
-function setToggle(running) {
-  ui.toggle.textContent = running ? "Stop" : "Start";
-  ui.toggle.classList.toggle("running", running);
-}
-
-const percent = (p) => Math.round(Math.max(0, Math.min(1, Number(p) || 0)) * 100);
-
-// The rows exist before the first result, so a result only changes widths and numbers.
-function buildBars() {
-  for (const label of LABELS) {
-    const row = document.createElement("div");
-    row.className = `bar-row ${hazardClass(label)}`;
-    row.dataset.label = label;
-    row.title = HAZARDS[label];
-    const name = document.createElement("span");
-    name.className = "name";
-    name.textContent = label;
-    const track = document.createElement("span");
-    track.className = "track";
-    const fill = document.createElement("span");
-    fill.className = "fill";
-    fill.style.display = "block";
-    track.append(fill);
-    const pct = document.createElement("span");
-    pct.className = "pct";
-    pct.textContent = "–";
-    row.append(name, track, pct);
-    ui.bars.append(row);
-    barRows.set(label, { row, fill, pct });
-  }
-}
-
-function updateBars(probabilities, top) {
-  for (const [label, { row, fill, pct }] of barRows) {
-    const p = probabilities?.[label] ?? 0;
-    fill.style.width = `${(Math.max(0, Math.min(1, p)) * 100).toFixed(1)}%`;
-    pct.textContent = `${percent(p)}%`;
-    row.classList.toggle("top", label === top);
-  }
-}
-
-// diagnostics.thought is null, one {tokens, ...}, or a list of them (one per read that thought,
-// e.g. two on a blocked frame).
-function thoughtTokens(thought) {
-  const list = Array.isArray(thought) ? thought : [thought];
-  return list.reduce((sum, t) => sum + (Number(t?.tokens) || 0), 0);
-}
-
-function render(message, roundTripMs) {
-  const ahead = message.answers?.ahead;
-  if (!ahead) {
-    setStatus("error: the result has no answer for ahead", true);
-    return;
-  }
+// A fresh answer: banner, bars, arrow, meta, and the cue for the ear.
+function render(message, capturedAt, answerMs) {
+  const ahead = message.answers.ahead;
   const label = ahead.choice;
   const confidence = ahead.confidence ?? ahead.probabilities?.[label];
-  setBanner(label, hazardClass(label));
+  const kind = hazardClass(label);
+  setBanner(label, kind);
   updateBars(ahead.probabilities, label);
+  ui.bars.classList.remove("stale");
 
-  let meta = `${percent(confidence)}% · ${Math.round(roundTripMs)} ms`;
-  const tokens = thoughtTokens(message.diagnostics?.thought);
-  if (tokens) meta += ` · thought ${tokens} tok`;
   const side = message.answers?.side;
+  let obstacle = null;
   if (side) {
     // The arrow points away from the obstacle's half.
-    const obstacle = String(side.choice).startsWith("left") ? "left" : "right";
+    obstacle = String(side.choice).startsWith("left") ? "left" : "right";
     setArrow(obstacle === "left" ? "turn right" : "turn left", side.confidence ?? side.probabilities?.[side.choice]);
-    meta += ` · obstacle ${obstacle}`;
   } else {
     setArrow("go ahead", confidence);
   }
-  ui.meta.textContent = meta;
+  ui.meta.textContent = metaText(message, confidence, answerMs, obstacle);
+  state.shown = { capturedAt };
+  state.noAnswer = false;
+  showAge(performance.now() - capturedAt, STALE_MS);
+  announcer.answer(kind === "idle" ? "door" : kind, phraseFor(label, obstacle), performance.now());
+}
+
+// Nothing current to show: the label gives way to "no answer — stop", said and felt once per
+// episode; the bars stay, greyed, for whoever wants to see what the last answer was.
+function showNoAnswer() {
+  state.shown = null;
+  if (state.noAnswer) return;
+  state.noAnswer = true;
+  setBanner(NO_ANSWER, "noanswer");
+  hideArrow();
+  ui.bars.classList.add("stale");
+  announcer.noAnswer();
+}
+
+// Called every TICK_MS while running: the shown age moves on, and an answer past the limit (or a
+// wait for the first one past the limit) turns into "no answer".
+function tick() {
+  const now = performance.now();
+  if (state.shown) {
+    const age = now - state.shown.capturedAt;
+    showAge(age, STALE_MS);
+    if (age > STALE_MS) showNoAnswer();
+  } else if (!state.noAnswer && now - state.waitingSince > STALE_MS) {
+    showNoAnswer();
+  }
+  if (state.link && !cameraLive()) cameraStopped();
 }
 
 // ------------------------------------------------------------------ the loop
@@ -204,34 +181,90 @@ async function start() {
   state.running = true;
   state.frames = 0;
   state.dropped = 0;
+  state.slow = 0;
+  state.slowSaid = false;
   setToggle(true);
+  announcer.reset();
+  enterFullscreen();
+  screenLock.acquire();
+  await resume();
+  if (!voice.available && !state.speechNoted && state.running) {
+    state.speechNoted = true; // said once per page: the mute button keeps saying "no voice"
+    setStatus("no speech in this browser: watch the banner; vibration still works where the phone has it", true);
+  }
+}
+
+// Camera and socket up, the guard armed. Used by Start and when a hidden page is visible again.
+async function resume() {
+  state.suspended = false;
+  state.shown = null;
+  state.noAnswer = false;
+  state.waitingSince = performance.now();
   setBanner("looking...", "idle");
+  hideArrow();
+  showAge(null, STALE_MS);
+  clearInterval(state.ticker);
+  state.ticker = setInterval(tick, TICK_MS);
   setStatus("starting the camera...");
   try {
     await startCamera(ui.video, { facingMode: "environment", width: 640, height: 480 });
   } catch (err) {
-    stop();
-    setStatus(cameraError(err), true);
+    halt(cameraError(err));
     return;
   }
-  if (!state.running) {
-    stopCamera(ui.video); // stopped while the browser asked for permission
+  if (!state.running || state.suspended) {
+    stopCamera(ui.video); // stopped (or hidden) while the browser asked for permission
     return;
+  }
+  for (const track of ui.video.srcObject?.getVideoTracks?.() ?? []) {
+    track.addEventListener("ended", () => state.link && cameraStopped());
   }
   openSession();
 }
 
-function stop() {
-  state.running = false;
+// Camera and socket down, no timers. The answer on screen is left to the caller.
+function suspend() {
   clearTimeout(state.reconnectTimer);
+  clearInterval(state.ticker);
+  state.ticker = null;
   const link = state.link;
   state.link = null;
   link?.session.close();
   stopCamera(ui.video);
+  state.shown = null;
+}
+
+function stop() {
+  state.running = false;
+  state.suspended = false;
+  suspend();
+  screenLock.release();
+  exitFullscreen();
+  announcer.reset();
   setToggle(false);
   setBanner("stopped", "idle");
   hideArrow();
+  showAge(null, STALE_MS);
+  ui.bars.classList.remove("stale");
   setStatus("stopped");
+}
+
+// The loop ended without the person asking (a refused key, a camera that failed or stopped, a
+// config the server rejects): the page stops, and says there is no answer.
+function halt(reason) {
+  stop();
+  state.noAnswer = false;
+  showNoAnswer();
+  setStatus(`error: ${reason.replace(/^error: /, "")}`, true);
+}
+
+function cameraLive() {
+  const tracks = ui.video.srcObject?.getVideoTracks?.() ?? [];
+  return tracks.length > 0 && tracks.every((track) => track.readyState === "live");
+}
+
+function cameraStopped() {
+  if (state.running) halt("the camera stopped; press Start");
 }
 
 function cameraError(err) {
@@ -244,7 +277,7 @@ function cameraError(err) {
 }
 
 function openSession() {
-  const link = { session: null, inFlight: false, sentAt: 0 };
+  const link = { session: null, inFlight: false, sent: 0, captured: new Map() };
   const current = () => state.link === link && state.running;
   link.session = new StreamSession({
     onResult: (message) => current() && onResult(link, message),
@@ -257,7 +290,7 @@ function openSession() {
   link.session.connect().then(
     () => {
       if (!current()) return;
-      setStatus("running");
+      if (performance.now() - state.errorAt > ERROR_LINGER_MS) setStatus("running");
       step(link);
     },
     () => {}, // onClose reports it
@@ -266,7 +299,12 @@ function openSession() {
 
 async function step(link) {
   if (state.link !== link || !state.running || link.inFlight) return;
+  if (!cameraLive()) {
+    cameraStopped();
+    return;
+  }
   link.inFlight = true;
+  const capturedAt = performance.now();
   let frame;
   try {
     frame = await captureJpeg(ui.video, ui.canvas, { width: FRAME_WIDTH, quality: FRAME_QUALITY });
@@ -277,62 +315,142 @@ async function step(link) {
     return;
   }
   if (state.link !== link || !state.running) return;
-  link.sentAt = performance.now();
-  if (!(await link.session.sendFrame(frame))) link.inFlight = false;
+  if (await link.session.sendFrame(frame)) {
+    // The server numbers a session's frames from 1, in the order they arrive.
+    link.sent += 1;
+    link.captured.set(link.sent, capturedAt);
+  } else {
+    link.inFlight = false;
+  }
+}
+
+// The capture time of a frame the server answered (or gave up on); older entries go with it.
+function takeCaptureTime(link, frame) {
+  const capturedAt = link.captured.get(frame) ?? null;
+  for (const number of link.captured.keys()) if (number <= frame) link.captured.delete(number);
+  return capturedAt;
 }
 
 function onResult(link, message) {
   link.inFlight = false;
   state.frames += 1;
   state.dropped = message.dropped_total ?? state.dropped;
-  render(message, performance.now() - link.sentAt);
   ui.banner.dataset.frames = state.frames; // a counter for tests and debugging; not shown
+  const capturedAt = takeCaptureTime(link, message.frame);
+  if (!message.answers?.ahead) {
+    setStatus("error: the result has no answer for ahead", true);
+  } else if (capturedAt === null) {
+    setStatus(`error: a result for frame ${message.frame}, which this page did not send`, true);
+  } else {
+    const answerMs = performance.now() - capturedAt;
+    if (answerMs <= STALE_MS) {
+      render(message, capturedAt, answerMs);
+    } else {
+      tooSlow(answerMs);
+    }
+  }
   if (performance.now() - state.errorAt > ERROR_LINGER_MS) {
     const frames = `${state.frames} frame${state.frames === 1 ? "" : "s"}`;
     setStatus(`running · ${frames}${state.dropped ? ` · ${state.dropped} dropped` : ""}`);
   }
+  ui.banner.dataset.slow = state.slow;
   step(link);
 }
 
-// A frame's error is reported and the next frame goes out at once. A config error (frame null)
-// would fail every frame, so it stops the loop instead.
+// An answer that arrived older than the limit is not shown, whatever the settings: the page says
+// answers are too slow to walk with (and, with thinking on, that thinking is why).
+function tooSlow(answerMs) {
+  state.slow += 1;
+  showNoAnswer(); // the label is deliberately not shown
+  ui.meta.textContent = `too slow · ${Math.round(answerMs)} ms · limit ${STALE_MS} ms`;
+  const advice = ui.think.checked ? "; turn thinking off" : "";
+  const ms = Math.round(answerMs);
+  // The advice first: on a phone the line is cut at its end (the meta line above has the numbers).
+  setStatus(`answers are too slow to walk with${advice} (${ms} ms from capture, limit ${STALE_MS} ms)`, true);
+  if (!state.slowSaid) {
+    state.slowSaid = true; // said once a run; the screen keeps saying it
+    voice.say(`answers are too slow to walk with${advice}`);
+  }
+}
+
+// A frame's error is reported and the next frame goes out at once; the guard counts on (a server
+// that answers only errors reaches "no answer" within STALE_MS). A config error (frame null) would
+// fail every frame, so it ends the run.
 function onError(link, message) {
   const text = errorMessage(message.status, message).replace(/^HTTP \d+: /, "");
-  setStatus(`error: ${text}`, true);
   if (message.frame == null) {
-    stop();
-    setStatus(`error: ${text}`, true);
+    halt(text);
     return;
   }
+  setStatus(`error: ${text}`, true);
+  takeCaptureTime(link, message.frame);
   link.inFlight = false;
   step(link);
 }
 
-// The socket closed under a running loop: a refused key stops it; anything else reconnects.
+// The socket closed under a running loop: a refused key ends the run; anything else is "no answer"
+// at once while the page reconnects.
 function onClose(event) {
   state.link = null;
   const reason = event.reason ? `: ${event.reason}` : "";
   if (event.code === 1008) {
-    stop();
-    setStatus(`error: api key refused${reason}`, true);
+    halt(`api key refused${reason}`);
     return;
   }
+  showNoAnswer();
   setStatus(`error: stream closed (${event.code}${reason}); reconnecting`, true);
-  state.reconnectTimer = setTimeout(() => state.running && openSession(), RECONNECT_MS);
+  state.reconnectTimer = setTimeout(() => state.running && !state.suspended && openSession(), RECONNECT_MS);
+}
+
+// A phone that locks or switches apps stops streaming (and paying for frames); visible again, the
+// loop comes back with the screen lock, showing "no answer" until a fresh answer arrives.
+function onVisibility() {
+  if (!state.running) return;
+  if (document.hidden && !state.suspended) {
+    state.suspended = true;
+    suspend();
+    setBanner("paused", "idle"); // what is seen first on coming back, until "looking..."
+    hideArrow();
+    showAge(null, STALE_MS);
+    setStatus("paused while the page is hidden");
+  } else if (!document.hidden && state.suspended) {
+    screenLock.regain();
+    resume();
+  }
+}
+
+// ------------------------------------------------------------------ service worker
+
+// The page shell (this page, its scripts, styles, icons and manifest) is kept by a service worker
+// so the installed page opens without the network; answers never are. Browsers refuse a service
+// worker on a certificate they do not trust, so the page only tries where the context is secure,
+// and a refusal changes nothing.
+function registerShell() {
+  if (!window.isSecureContext || !navigator.serviceWorker) return;
+  navigator.serviceWorker.register("/sw.js", { scope: "/walk" }).then(
+    () => { document.body.dataset.shell = "registered"; },
+    () => { document.body.dataset.shell = "refused"; },
+  );
 }
 
 // ------------------------------------------------------------------ wiring
 
 function init() {
-  buildBars();
+  buildBars(HAZARDS);
   bindApiKeyInput(ui.apiKey);
+  setMuteButton(voice);
+  showAge(null, STALE_MS);
   ui.think.checked = false; // browsers may restore form state on reload
   ui.toggle.addEventListener("click", () => (state.running ? stop() : start()));
   ui.stage.addEventListener("click", () => { if (!state.running) start(); });
+  ui.mute.addEventListener("click", () => {
+    voice.setMuted(!voice.muted);
+    setMuteButton(voice);
+  });
   // The next frame uses the new config; no need to reconnect.
   ui.think.addEventListener("change", () => state.link?.session.configure(buildRequest()));
-  // A phone that locks or switches apps stops streaming (and stops paying for frames).
-  document.addEventListener("visibilitychange", () => { if (document.hidden && state.running) stop(); });
+  document.addEventListener("visibilitychange", onVisibility);
+  ui.banner.dataset.staleMs = STALE_MS;
 
   if (!navigator.mediaDevices?.getUserMedia) {
     setStatus(cameraError(new Error("no camera API")), true);
@@ -341,6 +459,7 @@ function init() {
   } else {
     setStatus("ready");
   }
+  registerShell();
 }
 
 init();
