@@ -8,8 +8,11 @@ Shapes are bucketed so a handful of graphs serve every read: rows to a power of 
 type's prompt KV length to a multiple of KV_BUCKET, the canvas width as it is (already a multiple of
 CANVAS_STEP). A read is loaded into static buffers (prompt KV left-padded, an explicit mask keeping
 each canvas on its own prompt and width, exactly as the eager path does) and the graph is replayed.
-Graphs share one memory pool and are kept in a small LRU. Anything unusual (self-conditioning
-between steps, shapes past the size cap, a capture that fails) goes down the eager path.
+Graphs share one memory pool and one set of static KV buffers (sized for `max_token_slots` tokens,
+so the memory they hold does not grow with their number), and are kept in a small LRU. Passes with
+self-conditioning logits (a multi-step read's later steps, a generation's denoise passes) replay
+graphs keyed with a static conditioning input. Shapes past the size caps, or a capture that fails,
+go down the eager path.
 
 With `capture=False` the same static-buffer path runs eagerly: that is how the CPU tests check the
 bucketing, padding and masks against the plain path.
@@ -18,6 +21,7 @@ bucketing, padding and masks against the plain path.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -51,8 +55,10 @@ class _Graph:
     positions: torch.Tensor
     masks: dict[str, torch.Tensor]
     cache: Any
+    conditioning: torch.Tensor | None = None  # [rows, width, vocab] self-conditioning logits, if keyed so
     graph: Any = None
     output: torch.Tensor | None = None
+    memory: int = 0
 
 
 class DecoderGraphs:
@@ -64,8 +70,9 @@ class DecoderGraphs:
         *,
         pad_id: int,
         capture: bool,
-        max_graphs: int = 16,
-        max_token_slots: int = 16 * 1024,
+        max_graphs: int = 32,
+        max_token_slots: int = 36 * 1024,
+        max_conditioning: int = 1 << 29,
     ) -> None:
         self.model = model
         self.layer_types = list(layer_types)
@@ -76,30 +83,43 @@ class DecoderGraphs:
         self.capture = capture
         self.max_graphs = max_graphs
         self.max_token_slots = max_token_slots
+        self.max_conditioning = max_conditioning  # rows x width x vocab elements (1 GiB in bf16 at the default)
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.disabled: str | None = None
         self.captures = 0
+        self._storage: dict[str, torch.Tensor] = {}
 
-    def key(self, rows: Sequence[tuple[Any, Sequence[int]]]) -> tuple | None:
+    def key(self, rows: Sequence[tuple[Any, Sequence[int]]], conditioning: torch.Tensor | None = None) -> tuple | None:
         width = max(len(canvas) for _, canvas in rows)
         lengths = {t: bucket_length(max(encoded.layers[index][0].shape[2] for encoded, _ in rows))
                    for t, index in self.first_layer.items()}
         batch = bucket_rows(len(rows))
         if batch * (max(lengths.values()) + width) > self.max_token_slots:
             return None
-        return (batch, width, tuple(sorted(lengths.items())))
+        if conditioning is not None:
+            if tuple(conditioning.shape[:2]) != (len(rows), width):
+                return None
+            if batch * width * conditioning.shape[2] > self.max_conditioning:
+                return None
+        return (batch, width, tuple(sorted(lengths.items())), conditioning is not None)
 
-    def hidden(self, rows: Sequence[tuple[Any, Sequence[int]]]) -> torch.Tensor | None:
+    def hidden(self, rows: Sequence[tuple[Any, Sequence[int]]],
+               conditioning: torch.Tensor | None = None) -> torch.Tensor | None:
         """The decoder's hidden states for `rows` ([len(rows), width, hidden]), or None to go eager.
 
         The tensor lives in the graphs' shared memory pool: it is valid until the next call, so the
         caller reads it right away (as DiffusionRunner does). Batches past `max_token_slots`
-        (rows x (KV + canvas), about 7 GiB of KV copies for the full model at the default) stay
-        eager: they are GPU-bound, where launch overhead no longer matters."""
+        (rows x (KV + canvas); the shared KV buffers hold that many tokens, about 7.7 GiB for the
+        full model at the default, enough for 64 rows of 512-token prompts) stay eager: they are
+        GPU-bound, where launch overhead no longer matters.
+
+        `conditioning` ([rows, width, vocab], the previous step's processed logits) selects graphs
+        with a static self-conditioning input: a multi-step read's later steps and every denoise pass
+        of a generation after the first of its block. Past `max_conditioning` elements it goes eager."""
         if self.disabled is not None:
             return None
-        key = self.key(rows)
+        key = self.key(rows, conditioning)
         if key is None:
             return None
         graph = self.graphs.get(key)
@@ -108,7 +128,7 @@ class DecoderGraphs:
                 graph = self._build(key, rows)
             else:
                 self.graphs.move_to_end(key)
-            self._load(graph, rows)
+            self._load(graph, rows, conditioning)
             if graph.graph is not None:
                 graph.graph.replay()
                 output = graph.output
@@ -127,16 +147,14 @@ class DecoderGraphs:
     def _build(self, key: tuple, rows: Sequence[tuple[Any, Sequence[int]]]) -> _Graph:
         from transformers.cache_utils import DynamicCache
 
-        batch, width, lengths_items = key
+        batch, width, lengths_items, conditioned = key
         lengths = dict(lengths_items)
         first = rows[0][0]
         keys, values = [], []
         for index, layer_type in enumerate(self.layer_types):
             k, v = first.layers[index]
-            shape = (batch, k.shape[1], lengths[layer_type], k.shape[3])
-            keys.append(torch.zeros(shape, dtype=k.dtype, device=self.device))
-            values.append(torch.zeros((batch, v.shape[1], lengths[layer_type], v.shape[3]), dtype=v.dtype,
-                                      device=self.device))
+            keys.append(self._view(f"k{index}", (batch, k.shape[1], lengths[layer_type], k.shape[3]), k.dtype))
+            values.append(self._view(f"v{index}", (batch, v.shape[1], lengths[layer_type], v.shape[3]), v.dtype))
         cache = DynamicCache()
         for index, (k, v) in enumerate(zip(keys, values)):
             cache.update(k, v, index)
@@ -150,7 +168,11 @@ class DecoderGraphs:
                    for t, n in lengths.items()},
             cache=cache,
         )
-        self._load(graph, rows)
+        if conditioned:
+            graph.conditioning = torch.zeros((batch, width, self.model.config.text_config.vocab_size),
+                                             dtype=self.model.dtype, device=self.device)
+        self._load(graph, rows, None)
+        before = torch.cuda.memory_allocated(self.device) if self.capture else 0
         if self.capture:
             stream = torch.cuda.Stream(device=self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -162,11 +184,28 @@ class DecoderGraphs:
             with torch.cuda.graph(cuda_graph, pool=self.pool):
                 graph.output = self._forward(graph)
             graph.graph = cuda_graph
+            graph.memory = torch.cuda.memory_allocated(self.device) - before
             self.captures += 1
         self.graphs[key] = graph
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         return graph
+
+    def _view(self, name: str, shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
+        """A static KV buffer over storage shared by every graph (graphs never run at once and each
+        replay reloads its KV), sized for `max_token_slots` tokens: the KV memory stays that of one
+        largest batch however many graphs are held."""
+        storage = self._storage.get(name)
+        if storage is None:
+            storage = torch.zeros(self.max_token_slots * shape[1] * shape[3], dtype=dtype, device=self.device)
+            self._storage[name] = storage
+        return storage[: math.prod(shape)].view(shape)
+
+    @property
+    def memory_bytes(self) -> int:
+        """GPU memory of the shared KV buffers plus what each capture added when it was built."""
+        shared = sum(t.numel() * t.element_size() for t in self._storage.values())
+        return shared + sum(graph.memory for graph in self.graphs.values())
 
     def _forward(self, graph: _Graph) -> torch.Tensor:
         return self.model.model(
@@ -174,10 +213,15 @@ class DecoderGraphs:
             decoder_input_ids=graph.canvas,
             decoder_attention_mask=graph.masks,
             decoder_position_ids=graph.positions,
+            self_conditioning_logits=graph.conditioning,
         ).last_hidden_state
 
-    def _load(self, graph: _Graph, rows: Sequence[tuple[Any, Sequence[int]]]) -> None:
-        """Copy a batch into the static buffers: KV left-padded to the bucket, masks, canvas, positions."""
+    def _load(self, graph: _Graph, rows: Sequence[tuple[Any, Sequence[int]]],
+              conditioning: torch.Tensor | None) -> None:
+        """Copy a batch into the static buffers: KV left-padded to the bucket, masks, canvas, positions
+        (and the self-conditioning logits, for graphs keyed with them)."""
+        if graph.conditioning is not None and conditioning is not None:
+            graph.conditioning[: len(rows)].copy_(conditioning)
         width = graph.width
         masks = {t: torch.zeros(graph.masks[t].shape, dtype=torch.bool) for t in graph.lengths}
         canvas = torch.full((graph.rows, width), self.pad_id, dtype=torch.long)

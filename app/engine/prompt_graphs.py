@@ -1,0 +1,250 @@
+"""CUDA-graph replay of the prompt-encoding (encoder) pass.
+
+An eager encoder pass of the full-size model is launch-bound in the same way the decoder pass is
+(thousands of kernels for a few hundred tokens), and the library's own path cannot be captured: its
+cache builds state lazily with a host-to-device copy, and its masks are built on the host. Here a
+batch of prompts is encoded by replaying a graph captured for its bucket:
+
+- buckets: rows to a power of two up to ROW_BUCKETS[-1], prompt length to the next of
+  LENGTH_BUCKETS; at most `max_graphs` captured (LRU) and none past `max_token_slots` rows x length;
+  every graph's static tensors view one set of buffers sized for `max_token_slots` tokens and their
+  activations share one pool, so the memory they hold is that of one largest batch plus a little
+  per graph (`memory_bytes` says how much);
+- static input: the prompts' input embeddings, RIGHT-padded to the bucket. Embeddings, not ids, so
+  image prompts (vision tower run eagerly, its features scattered into the embeddings) ride the same
+  graphs as text;
+- right padding makes the pass independent of the rows' lengths: a causal pass never lets a real
+  token see the padding after it, so no padding mask is needed at all, positions are 0..L-1 for
+  every row, and attention runs SDPA's plain causal kernels (an explicit mask sends long prompts to
+  far slower ones). Only buckets longer than the sliding window carry one mask, the window's, the
+  same for every row, built on the device;
+- the KV of every layer is written into static buffers shared by all graphs (`_StaticKV`: one
+  batch's worth of KV at most, whatever the number of graphs), then each row's real tokens are cloned out, sliding layers cropped to their last window - 1 tokens exactly as the
+  library's DynamicCache keeps them. The result is what an eager pass stores.
+
+Prompts longer than the largest bucket, or batches past the size cap, return None: the caller
+encodes them eagerly. With `capture=False` the same static path runs eagerly: that is how the CPU
+tests check it against the eager encoder.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+log = logging.getLogger("djev.engine")
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
+# Fine steps where batches are large (a padded token costs a token's full compute: at 32 rows of
+# 300-token prompts a 512 bucket made the encoder 1.7x slower than 320 would), coarse where prompts
+# are long and batches small. Every bucket is captured only when a batch needs it.
+LENGTH_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096)
+
+# One encoded prompt as the decoder reads it: per layer (keys, values), each [1, heads, n, dim].
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def bucket_of(value: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket that holds `value`, or None past the largest."""
+    return next((bucket for bucket in buckets if bucket >= value), None)
+
+
+class _StaticKV:
+    """What the encoder's attention layers write through: each layer's keys and values are copied
+    into static buffers (views of storage shared by every graph: graphs never run at once, and a
+    batch's KV is cloned out right after its replay). Only `update` is called, since positions and
+    masks are passed in."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        self.keys = keys
+        self.values = values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[layer_idx].copy_(key_states)
+        self.values[layer_idx].copy_(value_states)
+        return key_states, value_states
+
+
+@dataclass
+class _Graph:
+    rows: int
+    length: int
+    embeds: torch.Tensor  # [rows, length, hidden] input embeddings, right-padded
+    cache: _StaticKV
+    graph: Any = None
+    memory: int = 0
+    stats: dict = field(default_factory=dict)
+
+
+class EncoderGraphs:
+    def __init__(
+        self,
+        model: Any,
+        layer_types: Sequence[str],
+        device: torch.device,
+        *,
+        sliding_window: int,
+        capture: bool,
+        max_graphs: int = 32,
+        max_token_slots: int = 16 * 1024,
+        row_buckets: Sequence[int] = ROW_BUCKETS,
+        length_buckets: Sequence[int] = LENGTH_BUCKETS,
+    ) -> None:
+        self.encoder = model.model.encoder
+        self.text_model = self.encoder.language_model
+        self.layer_types = list(layer_types)
+        self.device = device
+        self.sliding_window = sliding_window
+        self.capture = capture
+        self.max_graphs = max_graphs
+        self.max_token_slots = max_token_slots
+        self.row_buckets = tuple(row_buckets)
+        self.length_buckets = tuple(length_buckets)
+        self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.disabled: str | None = None
+        self.captures = 0
+        self._storage: dict[str, torch.Tensor] = {}  # flat buffers every graph's static tensors view
+
+    @property
+    def memory_bytes(self) -> int:
+        """GPU memory the graphs hold: the shared static buffers (inputs and KV of the largest batch)
+        plus what each capture added to the pool when it was built."""
+        shared = sum(t.numel() * t.element_size() for t in self._storage.values())
+        return shared + sum(graph.memory for graph in self.graphs.values())
+
+    def _view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, per_token: int) -> torch.Tensor:
+        """A static tensor of `shape` over shared storage `name`, which holds `max_token_slots`
+        tokens of `per_token` elements (allocated once, at the largest size any bucket may need)."""
+        storage = self._storage.get(name)
+        if storage is None:
+            storage = torch.zeros(self.max_token_slots * per_token, dtype=dtype, device=self.device)
+            self._storage[name] = storage
+        return storage[: math.prod(shape)].view(shape)
+
+    def key(self, rows: int, longest: int) -> tuple[int, int] | None:
+        batch = bucket_of(rows, self.row_buckets)
+        length = bucket_of(longest, self.length_buckets)
+        if batch is None or length is None or batch * length > self.max_token_slots:
+            return None
+        return batch, length
+
+    def fits(self, rows: int, longest: int) -> bool:
+        return self.disabled is None and self.key(rows, longest) is not None
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode_ids(self, rows: Sequence[Sequence[int]], pad_id: int) -> list[Layers] | None:
+        """Each row's KV, or None to go eager (no bucket, or graphs disabled)."""
+        key = self._key_or_none(len(rows), max(len(ids) for ids in rows))
+        if key is None:
+            return None
+        _, length = key
+        padded = torch.full((len(rows), length), pad_id, dtype=torch.long)
+        for row, ids in enumerate(rows):
+            if ids:
+                padded[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+        embeds = self.encoder.get_input_embeddings()(padded.to(self.device))
+        return self._run(key, [len(ids) for ids in rows], lambda graph: graph.embeds[: len(rows)].copy_(embeds))
+
+    def encode_embeds(self, rows: Sequence[torch.Tensor]) -> list[Layers] | None:
+        """The same from input embeddings ([n, hidden] each, e.g. with image features scattered in)."""
+        key = self._key_or_none(len(rows), max(int(embeds.shape[0]) for embeds in rows))
+        if key is None:
+            return None
+        def load(graph: _Graph) -> None:
+            for row, embeds in enumerate(rows):
+                graph.embeds[row, : embeds.shape[0]].copy_(embeds)
+
+        return self._run(key, [int(embeds.shape[0]) for embeds in rows], load)
+
+    def _key_or_none(self, rows: int, longest: int) -> tuple[int, int] | None:
+        if self.disabled is not None or rows == 0 or longest == 0:
+            return None
+        return self.key(rows, longest)
+
+    def _run(self, key: tuple[int, int], lengths: list[int], load: Any) -> list[Layers] | None:
+        try:
+            graph = self.graphs.get(key)
+            if graph is None:
+                graph = self._build(key)
+            else:
+                self.graphs.move_to_end(key)
+            load(graph)
+            if graph.graph is not None:
+                graph.graph.replay()
+            else:
+                self._forward(graph)
+            return [self._row_layers(graph, row, n) for row, n in enumerate(lengths)]
+        except Exception as exc:  # noqa: BLE001 - a capture that fails must not fail reads: go eager
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            self.graphs.clear()
+            log.warning("encoder CUDA graphs disabled, prompts are encoded eagerly: %s", self.disabled)
+            return None
+
+    def _row_layers(self, graph: _Graph, row: int, n: int) -> Layers:
+        """Row `row`'s real tokens out of the graph's buffers (copies: the next replay overwrites them),
+        each sliding layer cropped to the last window - 1 tokens as DynamicCache keeps them."""
+        layers: Layers = []
+        for index, layer_type in enumerate(self.layer_types):
+            keep = min(n, self.sliding_window - 1) if layer_type == "sliding_attention" else n
+            keys, values = graph.cache.keys[index], graph.cache.values[index]
+            layers.append((keys[row:row + 1, :, n - keep:n].clone(), values[row:row + 1, :, n - keep:n].clone()))
+        return layers
+
+    # ------------------------------------------------------------------ building
+
+    def _build(self, key: tuple[int, int]) -> _Graph:
+        batch, length = key
+        hidden = self.text_model.config.hidden_size
+        dtype = self.text_model.embed_tokens.weight.dtype
+        keys, values = [], []
+        for index, attention in enumerate(layer.self_attn for layer in self.text_model.layers):
+            heads = attention.k_proj.out_features // attention.head_dim
+            shape = (batch, heads, length, attention.head_dim)
+            keys.append(self._view(f"k{index}", shape, dtype, heads * attention.head_dim))
+            values.append(self._view(f"v{index}", shape, dtype, heads * attention.head_dim))
+        graph = _Graph(
+            rows=batch, length=length,
+            embeds=self._view("embeds", (batch, length, hidden), dtype, hidden),
+            cache=_StaticKV(keys, values),
+        )
+        before = torch.cuda.memory_allocated(self.device) if self.capture else 0
+        if self.capture:
+            stream = torch.cuda.Stream(device=self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the capture (allocator, cuBLAS plans)
+                    self._forward(graph)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph, pool=self.pool):
+                self._forward(graph)
+            graph.graph = cuda_graph
+            graph.memory = torch.cuda.memory_allocated(self.device) - before
+            self.captures += 1
+            log.info("captured the encoder pass for %d rows x %d tokens (%.0f MiB)", batch, length,
+                     graph.memory / 2**20)
+        self.graphs[key] = graph
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return graph
+
+    def _forward(self, graph: _Graph) -> None:
+        """The encoder pass over the static inputs: causal attention without a mask (None makes SDPA
+        run its causal kernels), the sliding window's mask only where the bucket is longer than it."""
+        length = graph.length
+        index = torch.arange(length, device=self.device)
+        masks: dict[str, torch.Tensor | None] = {"full_attention": None, "sliding_attention": None}
+        if length > self.sliding_window:
+            query, key = index.view(-1, 1), index.view(1, -1)
+            masks["sliding_attention"] = ((key <= query) & (query - key < self.sliding_window)).view(1, 1, length, length)
+        positions = index.view(1, -1).expand(graph.rows, -1)
+        self.text_model(inputs_embeds=graph.embeds, attention_mask=masks, position_ids=positions,
+                        past_key_values=graph.cache)

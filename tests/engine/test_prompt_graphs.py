@@ -1,0 +1,145 @@
+"""The encoder-graph path (app/engine/prompt_graphs.py) run eagerly on the CPU (capture=False): its
+bucketing, left padding, on-device masks and positions, sliding-window crop and image embeddings
+give the eager encoder's KV; prompts past the largest bucket fall back to the eager pass; the
+number of graphs is bounded."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from app.engine.base import ImageInput, Prompt
+from app.engine.prompt_graphs import EncoderGraphs, bucket_of
+from tests.conftest import make_tiny_reader
+
+LENGTHS = (32, 64, 128, 256)  # small buckets: the tiny model's sliding window is 64
+
+
+def graphed_runner(tiny_dir, **options):
+    runner = make_tiny_reader(tiny_dir).runner
+    runner.encoder_graphs = EncoderGraphs(
+        runner.model, runner.layer_types, runner.device, capture=False,
+        sliding_window=int(runner.text_config.sliding_window), length_buckets=options.pop("lengths", LENGTHS),
+        row_buckets=options.pop("rows", (1, 2, 4)), **options)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_dir):
+    return make_tiny_reader(tiny_dir).runner, graphed_runner(tiny_dir)
+
+
+def text_prompt(tokenizer, words: int, tag: str) -> Prompt:
+    return Prompt(tuple(tokenizer.render_chat("Answer.", " ".join(f"{tag}{i}" for i in range(words)), 0, False)))
+
+
+def assert_same_kv(a, b):
+    assert a.length == b.length and len(a.layers) == len(b.layers)
+    for (ka, va), (kb, vb) in zip(a.layers, b.layers):
+        assert ka.shape == kb.shape and va.shape == vb.shape
+        assert torch.allclose(ka, kb, atol=1e-4) and torch.allclose(va, vb, atol=1e-4)
+
+
+def test_buckets():
+    assert [bucket_of(n, (1, 2, 4)) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+
+
+@torch.no_grad()
+def test_graph_path_equals_the_eager_encoder_for_short_long_and_padded_prompts(runners, tokenizer):
+    eager, graphed = runners
+    prompts = [text_prompt(tokenizer, 2, "a"), text_prompt(tokenizer, 40, "b"), text_prompt(tokenizer, 12, "c")]
+    assert max(len(p.ids) for p in prompts) > 64 > min(len(p.ids) for p in prompts)  # past the window and not
+    alone = [eager.encode_many([p])[0] for p in prompts]  # each alone, unpadded, eager
+    before = graphed.stats["encoder_graph_replays"]
+    together = graphed.encode_many(prompts)  # one padded graph-path pass
+    assert graphed.stats["encoder_graph_replays"] - before == 1
+    for a, b in zip(alone, together):
+        assert_same_kv(a, b)
+    key = graphed.encoder_graphs.key(3, max(len(p.ids) for p in prompts))
+    assert key in graphed.encoder_graphs.graphs and key[0] == 4  # 3 rows ride the 4-row bucket
+    assert key[1] > 64  # a bucket past the sliding window: the window's mask is applied
+    short = text_prompt(tokenizer, 3, "d")  # alone in a bucket within the window: no mask at all
+    assert graphed.encoder_graphs.key(1, len(short.ids))[1] <= 64
+    assert_same_kv(eager.encode_many([short])[0], graphed.encode_many([short])[0])
+
+
+@torch.no_grad()
+def test_a_prompt_past_the_largest_bucket_is_encoded_eagerly(tiny_dir, runners, tokenizer):
+    eager, _ = runners
+    small = graphed_runner(tiny_dir, lengths=(32,))
+    prompt = text_prompt(tokenizer, 20, "z")
+    assert len(prompt.ids) > 32
+    encoded = small.encode_many([prompt])[0]
+    assert small.stats["encoder_graph_replays"] == 0 and small.stats["encoder_passes"] == 1
+    assert_same_kv(eager.encode_many([prompt])[0], encoded)
+
+
+@torch.no_grad()
+def test_batches_split_at_the_graph_buckets_and_graphs_are_bounded(tiny_dir, tokenizer):
+    runner = graphed_runner(tiny_dir, max_graphs=2, max_token_slots=256)
+    prompts = [text_prompt(tokenizer, 2, f"p{i}") for i in range(3)] + [text_prompt(tokenizer, 40, "q")]
+    runner.encode_many(prompts)
+    # Three short prompts fill a 4 x 32 bucket; the long one (past 128 tokens with 4 rows would break the
+    # 256-slot cap) gets a pass of its own.
+    assert runner.stats["encoder_passes"] == 2 and runner.stats["encoder_graph_replays"] == 2
+    runner.encode_many([text_prompt(tokenizer, 2, "r")])  # a third bucket: the oldest graph goes
+    assert len(runner.encoder_graphs.graphs) == 2
+
+
+def jpeg(colour: tuple[int, int, int]) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), colour).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+@torch.no_grad()
+def test_image_prompts_share_the_graph_path_and_equal_the_eager_encoder(tiny_dir, runners, tokenizer):
+    eager, _ = runners
+    graphed = graphed_runner(tiny_dir, lengths=(128, 256))
+    prompts = [Prompt(tuple(tokenizer.render_chat("Look.", "what is ahead?", 1, False)),
+                      (ImageInput(jpeg(colour), "image/jpeg", f"frame {n}"),))
+               for n, colour in enumerate([(200, 10, 10), (10, 10, 200)])]
+    alone = [eager.encode_many([p])[0] for p in prompts]
+    together = graphed.encode_many(prompts)
+    # Both prompts' images share one vision pass, then one encoder pass.
+    assert graphed.stats["encoder_graph_replays"] == 1 and graphed.stats["vision_passes"] == 1
+    for a, b in zip(alone, together):
+        assert a.length > len(prompts[0].ids)  # soft tokens expanded
+        assert_same_kv(a, b)
+
+
+@torch.no_grad()
+def test_a_restated_image_skips_the_vision_tower_and_reads_the_same(tiny_dir, runners, tokenizer):
+    eager, _ = runners
+    runner = graphed_runner(tiny_dir, lengths=(128, 256))
+    frame = (ImageInput(jpeg((30, 200, 30)), "image/jpeg", "frame"),)
+    first = Prompt(tuple(tokenizer.render_chat("Look.", "what is ahead?", 1, False)), frame)
+    restated = Prompt(tuple(tokenizer.render_chat("Look.", "ahead: wall. which side?", 1, False)), frame)
+    runner.encode_many([first])
+    encoded = runner.encode_many([restated])[0]
+    assert runner.stats["vision_passes"] == 1 and runner.stats["vision_hits"] == 1
+    assert_same_kv(eager.encode_many([restated])[0], encoded)
+
+
+@torch.no_grad()
+def test_the_vision_graph_path_equals_the_library_forward(tiny_dir, tokenizer):
+    from app.engine.vision_graphs import VisionGraphs
+
+    runner = make_tiny_reader(tiny_dir).runner
+    vision = VisionGraphs(runner.model, runner.device, capture=False)
+    frames = tuple(ImageInput(jpeg(colour), "image/jpeg", f"frame {n}")
+                   for n, colour in enumerate([(200, 10, 10), (10, 200, 10), (10, 10, 200)]))
+    inputs = runner._expand(Prompt(tuple(tokenizer.render_chat("Look.", "ahead?", 3, False)), frames))
+    pixels, positions = inputs["pixel_values"], inputs["image_position_ids"]
+    expected = runner.model.model.encoder.get_image_features(pixels, positions, return_dict=True).pooler_output
+    got = vision.features(pixels, positions)  # 3 images ride the 4-image bucket: one padding image
+    assert vision.disabled is None and list(vision.graphs) == [(4, *pixels.shape[1:])]
+    assert got.shape == expected.reshape(-1, expected.shape[-1]).shape
+    assert torch.allclose(got, expected.reshape(got.shape), atol=1e-4)
+    assert got.shape[0] == int(inputs["soft_token_counts"].sum())
+    one = vision.features(pixels[:1], positions[:1])  # a different bucket, built once
+    assert torch.allclose(one, got[: one.shape[0]], atol=1e-4) and len(vision.graphs) == 2
