@@ -9,141 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
 from starlette.applications import Starlette
-from starlette.datastructures import MutableHeaders
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.config import Settings
-from app.decisions.errors import RequestError
-from app.decisions.request import Decision
-from app.decisions.run import Decider
-from app.engine.base import EngineError, EngineInputError, EngineUnavailable, Reader
-from app.web import openai, pages, stream, systemone
-from app.web.admission import Admission
-from app.web.auth import check_authorization
-from app.web.errors import HTTPError, json_response
-from app.web.images import check_images
+from app.engine.base import Reader
+from app.logs import RequestContext
+from app.web import health, openai, pages, raw, stream, systemone
+from app.web.errors import exception_handlers
+from app.web.frontdoor import REQUEST_ID_HEADER, FrontDoor, SecurityHeaders  # noqa: F401 - re-exported
+from app.web.metrics import RequestMetrics
+from app.web.services import Services
 
 log = logging.getLogger("djev")
 
-REQUEST_ID_HEADER = "x-typesafe-request-id"
-
-
-@dataclass
-class Services:
-    """Everything a route needs, built once per app."""
-
-    settings: Settings
-    reader: Reader
-    decider: Decider
-    admission: Admission
-    started: float = field(default_factory=time.time)
-    sessions: dict[str, Any] = field(default_factory=dict)  # open /v1/stream sessions by id
-
-    def check_images(self, decision: Decision) -> None:
-        check_images(decision.images, self.settings.max_image_pixels)
-
-
-class FrontDoor:
-    """Pure ASGI middleware: a request id on every HTTP response, and the bearer check on every
-    POST before its body is read or its route resolved."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request_id = "req_" + secrets.token_hex(12)
-        scope.setdefault("state", {})["request_id"] = request_id
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
-            await send(message)
-
-        if scope["method"] == "POST" and self.api_key:
-            headers = dict((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"])
-            try:
-                check_authorization(self.api_key, headers.get("authorization"))
-            except HTTPError as exc:
-                await exc.response()(scope, receive, send_with_id)
-                return
-        await self.app(scope, receive, send_with_id)
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPError)
-    return exc.response()
-
-
-async def _request_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestError)
-    return HTTPError.from_request_error(exc).response()
-
-
-async def _engine_input_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, EngineInputError)
-    return HTTPError(exc.status, exc.message, param=exc.param, error_type=exc.error_type, loc=(exc.param or "",)).response()
-
-
-async def _engine_error(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, EngineUnavailable):
-        return HTTPError(503, f"engine unavailable: {exc}", headers={"retry-after": "1"}).response()
-    return HTTPError(502, f"engine failed: {exc}").response()
-
-
-async def _starlette_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StarletteHTTPException)
-    message = "unknown route" if exc.status_code == 404 else str(exc.detail)
-    return HTTPError(exc.status_code, message, headers=dict(exc.headers or {})).response()
-
-
-async def _unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unexpected error on %s %s", request.method, request.url.path)
-    return HTTPError(500, f"internal error: {type(exc).__name__}").response()
-
-
-async def health(request: Request) -> Response:
-    svc: Services = request.app.state.services
-    info = svc.reader.info
-    ready = bool(getattr(svc.reader, "ready", True))
-    body = {
-        "status": "ok" if ready else "unavailable",
-        "ready": ready,
-        "model": info.model,
-        "engine": info.engine,
-        "device": info.device,
-        "tiny": info.tiny,
-        "canvas": info.canvas_length,
-        "in_flight": svc.admission.in_flight,
-        "sessions": len(svc.sessions),
-        "uptime_s": round(time.time() - svc.started, 1),
-    }
-    if info.tiny:
-        body["warning"] = "tiny random-weight model: every answer is random"
-    return json_response(body, status=200 if ready else 503)
-
 
 def create_app(settings: Settings, reader: Reader, extra_routes: list | None = None) -> Starlette:
-    services = Services(
-        settings=settings,
-        reader=reader,
-        decider=Decider(reader, settings.read_settings),
-        admission=Admission(settings.max_inflight),
-    )
+    services = Services.build(settings, reader)
+    services.metrics.watch(services)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -157,27 +44,23 @@ def create_app(settings: Settings, reader: Reader, extra_routes: list | None = N
             await reader.stop()
 
     routes: list[Any] = [
-        Route("/health", health, methods=["GET"]),
+        *health.routes,
+        Route("/metrics", services.metrics.endpoint, methods=["GET"]),
         *systemone.routes,
         *openai.routes,
+        *raw.routes,
         *stream.routes,
         *(pages.routes if settings.pages else []),
         *(extra_routes or []),
     ]
-    app = Starlette(
-        routes=routes,
-        lifespan=lifespan,
-        exception_handlers={
-            HTTPError: _http_error,
-            RequestError: _request_error,
-            EngineInputError: _engine_input_error,
-            EngineError: _engine_error,
-            StarletteHTTPException: _starlette_error,
-            Exception: _unexpected,
-        },
-    )
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=exception_handlers())
     app.state.services = services
+    # Added last = outermost: the request id and the last-resort error reply wrap everything, and
+    # the request metrics wrap those (a 401 or 500 from the front door is counted too).
+    app.add_middleware(RequestContext)  # inside FrontDoor: binds the id it made to every log line
+    app.add_middleware(SecurityHeaders)
     app.add_middleware(FrontDoor, api_key=settings.api_key)
+    app.add_middleware(RequestMetrics, metrics=services.metrics)
     return app
 
 

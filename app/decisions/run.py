@@ -97,8 +97,11 @@ class Decider:
         self.prompts = ChatPrompts(reader.tokenizer, settings.thought_in_prompt)
         self.offload: Offload = offload or asyncio.to_thread
 
-    async def decide(self, decision: Decision) -> Outcome:
-        plan = await self.offload(self.plan, decision)
+    async def decide(self, decision: Decision, plan: Plan | None = None) -> Outcome:
+        """Run a decision; `plan` is `self.plan(decision)` when the caller already made it (the
+        server plans in its worker pool to price the decision before admitting it)."""
+        if plan is None:
+            plan = await self.offload(self.plan, decision)
         return await _Run(self, decision, plan).run()
 
     def cost(self, decision: Decision) -> int:

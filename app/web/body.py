@@ -1,8 +1,13 @@
 """Request bodies: size limit before parsing, Content-Encoding, strict JSON, multipart forms.
 
+Reading is async and cheap (`read_body`); everything that grows with the body (decompression,
+`json.loads` of up to MAX_BODY_BYTES, multipart parsing) is `parse_payload`, a plain function the
+routes run in a worker thread, never on the event loop.
+
 Bad input here is always a 4xx that says what was wrong: 413 past the size limit (checked on
 Content-Length before anything is read, and again while reading and decompressing), 415 for a
-media type or content encoding we do not read, 400 for a body that does not parse.
+media type or content encoding we do not read, 422 in FastAPI's shape (`json_invalid`) for a body
+that is not JSON, 400 for JSON past our nesting limit or a malformed multipart form.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
 from app.engine.base import ImageInput
-from app.web.errors import HTTPError
+from app.web.errors import HTTPError, body_missing, json_invalid
 
 JSON_TYPES = ("application/json", "text/json", "text/plain", "application/x-www-form-urlencoded", "")
 MAX_JSON_DEPTH = 64
@@ -27,6 +32,7 @@ def _too_large(limit: int) -> HTTPError:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
+    """The body as sent (still compressed), refused past `limit` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -41,8 +47,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         if size > limit:
             raise _too_large(limit)
         chunks.append(chunk)
-    data = b"".join(chunks)
-    return decode_content(data, request.headers.get("content-encoding", ""), limit)
+    return b"".join(chunks)
 
 
 def decode_content(data: bytes, encoding: str, limit: int) -> bytes:
@@ -81,15 +86,20 @@ def decode_content(data: bytes, encoding: str, limit: int) -> bytes:
     return data
 
 
+class _NotJson(ValueError):
+    """JSON the standard library reads but JSON does not allow (NaN) or leaves ambiguous (a
+    duplicate key): the parser cannot say where, so the position reported is 0."""
+
+
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+    raise _NotJson(f"{name} is not valid JSON")
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     out: dict = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"duplicate key {key!r} in an object")
+            raise _NotJson(f"duplicate key {key!r} in an object")
         out[key] = value
     return out
 
@@ -113,15 +123,17 @@ def parse_json(data: bytes, where: str = "body") -> Any:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise HTTPError(400, f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})", param=where) from None
+        raise json_invalid(f"not UTF-8 text ({exc.reason} at byte {exc.start})", exc.start, where) from None
     if not text.strip():
-        raise HTTPError(400, f"{where}: empty; send a JSON object with state and questions", param=where)
+        raise body_missing(where)
     try:
         value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
     except RecursionError:
         raise HTTPError(400, f"{where}: JSON nested too deeply", param=where) from None
-    except ValueError as exc:
-        raise HTTPError(400, f"{where}: not valid JSON ({exc})", param=where) from None
+    except json.JSONDecodeError as exc:
+        raise json_invalid(exc.msg, exc.pos, where, explained=str(exc)) from None
+    except _NotJson as exc:
+        raise json_invalid(str(exc), 0, where) from None
     if _depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise HTTPError(400, f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels", param=where)
     return value
@@ -195,17 +207,31 @@ class Payload:
     assets: dict[str, ImageInput]  # the official client's asset-N parts, by part name
 
 
-async def read_payload(request: Request, limit: int) -> Payload:
-    """The JSON body and any multipart image parts."""
-    content_type = request.headers.get("content-type", "")
-    media = content_type.split(";")[0].strip().lower()
+@dataclass(frozen=True)
+class RawBody:
+    """A request body as read off the socket, with the headers that say how to parse it."""
+
+    data: bytes
+    content_type: str
+    content_encoding: str
+
+
+async def read_raw(request: Request, limit: int) -> RawBody:
     data = await read_body(request, limit)
+    return RawBody(data, request.headers.get("content-type", ""), request.headers.get("content-encoding", ""))
+
+
+def parse_payload(raw: RawBody, limit: int) -> Payload:
+    """The JSON body and any multipart image parts (blocking: run it in a worker thread)."""
+    content_type = raw.content_type
+    media = content_type.split(";")[0].strip().lower()
+    if media != "multipart/form-data" and not (media in JSON_TYPES or media.endswith("+json")):
+        raise HTTPError(415, f"body: Content-Type '{media}' is not supported; send application/json or "
+                             "multipart/form-data", param="content-type")
+    data = decode_content(raw.data, raw.content_encoding, limit)
     if media == "multipart/form-data":
         return payload_from_parts(parse_multipart(data, content_type))
-    if media in JSON_TYPES or media.endswith("+json"):
-        return Payload(body=parse_json(data), images=[], assets={})
-    raise HTTPError(415, f"body: Content-Type '{media}' is not supported; send application/json or "
-                         "multipart/form-data", param="content-type")
+    return Payload(body=parse_json(data), images=[], assets={})
 
 
 def payload_from_parts(parts: list[Part]) -> Payload:

@@ -5,6 +5,11 @@ messages, or JSON `{"type": "frame", "image": "data:image/...;base64,..."}`). Ea
 one decision with the frame as its image. One decision is in flight per session and the latest
 frame wins: a frame that arrives meanwhile replaces the pending one, and the replaced frame is
 reported as dropped in the next result. The protocol is documented in README.md ("Camera sessions").
+
+A session's two loops (receiving, deciding) run in one task group: when either fails, the other is
+cancelled and the socket closes with 1011 and a reason, so no session keeps taking frames it will
+never answer. At most MAX_SESSIONS sessions are open at once; one more is closed with 1013.
+Errors reach the client through the same map as every REST route (app/web/errors.py).
 """
 
 from __future__ import annotations
@@ -17,20 +22,20 @@ import json
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import anyio
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from app.decisions.errors import RequestError
 from app.decisions.request import Decision, parse_decision
-from app.engine.base import EngineError, EngineInputError, ImageInput
+from app.engine.base import ImageInput
+from app.web.answers import jev_body
 from app.web.auth import key_matches
-from app.web.errors import HTTPError
+from app.web.errors import HTTPError, error_reply
 from app.web.images import check_images
-
-if TYPE_CHECKING:
-    from app.server import Services
+from app.web.services import Services
+from app.web.work import Prepared, checked_plan, decide
 
 log = logging.getLogger("djev.stream")
 
@@ -39,7 +44,8 @@ CLOSE_AUTH = 1008  # policy violation: no or wrong key
 CLOSE_UNSUPPORTED = 1003  # not JSON, not an image, an unknown message type
 CLOSE_TOO_BIG = 1009  # a frame or message over the size limit
 CLOSE_FLOOD = 4029  # more messages than the rate limit allows
-CLOSE_INTERNAL = 1011
+CLOSE_INTERNAL = 1011  # a loop of the session failed (the error map's close code for a 5xx)
+CLOSE_TRY_LATER = 1013  # MAX_SESSIONS sessions are open
 
 AUTH_TIMEOUT_S = 10.0
 MAX_TEXT_BYTES = 64 * 1024  # a config or control message; frames sent as JSON may be as large as an image
@@ -82,7 +88,7 @@ class _Frame:
 
 
 class StreamSession:
-    def __init__(self, services: "Services", websocket: WebSocket) -> None:
+    def __init__(self, services: Services, websocket: WebSocket) -> None:
         self.id = "ws_" + secrets.token_hex(6)
         self.services = services
         self.ws = websocket
@@ -102,9 +108,10 @@ class StreamSession:
         async with self.send_lock:
             await self.ws.send_text(json.dumps(message, ensure_ascii=False, allow_nan=False))
 
-    async def send_error(self, status: int, message: str, param: str | None = None, frame: int | None = None) -> None:
-        error = HTTPError(status, message, param=param)
-        await self.send({"type": "error", "frame": frame, "status": status, **error.body()})
+    async def send_error(self, exc: BaseException, frame: int | None = None) -> None:
+        """An error that does not end the session, as the error map says (status and envelope)."""
+        reply = error_reply(exc)
+        await self.send({"type": "error", "frame": frame, "status": reply.status, **reply.envelope})
 
     # ------------------------------------------------------------------ receiving
 
@@ -139,15 +146,15 @@ class StreamSession:
                 data = message["bytes"]
                 if len(data) > settings.max_image_bytes:
                     raise Closing(CLOSE_TOO_BIG, f"frame of {len(data)} bytes; the limit is {settings.max_image_bytes}")
-                self.offer(self.frame_from_bytes(data, "image/jpeg"))
+                self.offer(await self.frame_from_bytes(data, "image/jpeg"))
             elif message.get("text") is not None:
                 await self.handle_text(message["text"])
 
-    def frame_from_bytes(self, data: bytes, content_type: str) -> ImageInput:
+    async def frame_from_bytes(self, data: bytes, content_type: str) -> ImageInput:
         self.frames += 1
         image = ImageInput(data=data, content_type=content_type, source=f"frame {self.frames}")
         try:
-            check_images([image], self.services.settings.max_image_pixels)
+            await self.services.offload(check_images, [image], self.services.settings.max_image_pixels)
         except HTTPError as exc:
             code = CLOSE_TOO_BIG if exc.status in (400, 413) else CLOSE_UNSUPPORTED
             raise Closing(code, exc.message) from None
@@ -158,45 +165,47 @@ class StreamSession:
         if len(text) > max(MAX_TEXT_BYTES, settings.max_image_bytes * 4 // 3 + 1024):
             raise Closing(CLOSE_TOO_BIG, "message too large")
         try:
-            data = json.loads(text)
+            # A frame sent as a data URL is megabytes of JSON: parsed in the worker pool.
+            data = json.loads(text) if len(text) <= MAX_TEXT_BYTES else await self.services.offload(json.loads, text)
         except ValueError:
             raise Closing(CLOSE_UNSUPPORTED, "messages are JSON objects or binary frames") from None
         kind = data.get("type") if isinstance(data, dict) else None
         if kind == "config":
             await self.configure(data.get("request"))
         elif kind == "frame":
-            self.offer(self.frame_from_data_url(data.get("image")))
+            self.offer(await self.frame_from_data_url(data.get("image")))
         elif kind == "ping":
             await self.send({"type": "pong", "t": data.get("t")})
         elif kind == "auth":
             pass  # already authenticated (or no key is set)
         else:
-            raise Closing(CLOSE_UNSUPPORTED, f"unknown message type {kind!r}: config, frame, ping or auth")
+            # The reason is logged: it names no client text (no request content in any log).
+            raise Closing(CLOSE_UNSUPPORTED, "unknown message type: the types are config, frame, ping and auth")
 
-    def frame_from_data_url(self, url: Any) -> ImageInput:
+    async def frame_from_data_url(self, url: Any) -> ImageInput:
         if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
             raise Closing(CLOSE_UNSUPPORTED, "a frame message needs image: data:image/...;base64,...")
         header, payload = url.split(",", 1)
         if len(payload) * 3 // 4 > self.services.settings.max_image_bytes:
             raise Closing(CLOSE_TOO_BIG, "frame over the image size limit")
         try:
-            data = base64.b64decode(payload, validate=True)
+            data = await self.services.offload(_b64decode, payload)
         except (binascii.Error, ValueError):
             raise Closing(CLOSE_UNSUPPORTED, "the frame's base64 does not decode") from None
-        return self.frame_from_bytes(data, header[5:].split(";")[0])
+        return await self.frame_from_bytes(data, header[5:].split(";")[0])
 
     async def configure(self, request: Any) -> None:
         if not isinstance(request, dict):
-            await self.send_error(422, "config: request must be a decision request object", "request")
+            await self.send_error(HTTPError(422, "config: request must be a decision request object", param="request"))
             return
         if request.get("images"):
-            await self.send_error(422, "config: images come as frames, not in the config", "request.images")
+            await self.send_error(HTTPError(422, "config: images come as frames, not in the config",
+                                            param="request.images"))
             return
         try:
-            decision = parse_decision(request, self.services.settings.limits)
-        except RequestError as exc:
-            error = HTTPError.from_request_error(exc)
-            await self.send({"type": "error", "frame": None, "status": error.status, **error.body()})
+            decision = await self.services.offload(parse_decision, request, self.services.settings.limits)
+        except Exception as exc:  # noqa: BLE001 - a bad config is reported; the session stays open
+            await self.send_error(exc)
             return
         self.decision = decision
         await self.send({"type": "configured", "questions": [q.qid for q in decision.questions]})
@@ -206,6 +215,7 @@ class StreamSession:
         if self.pending is not None:
             self.dropped.append(self.pending.number)
             self.dropped_total += 1
+            self.services.metrics.frame_dropped()
         self.pending = _Frame(number=self.frames, image=image, received=time.monotonic())
         self.wakeup.set()
 
@@ -217,44 +227,28 @@ class StreamSession:
             self.wakeup.clear()
             while self.pending is not None:
                 frame, self.pending = self.pending, None
-                try:
-                    await self.decide(frame)
-                except (asyncio.CancelledError, WebSocketDisconnect, OSError, RuntimeError):
-                    raise
-                except Exception as exc:  # noqa: BLE001 - one bad frame must not end the session's results
-                    log.exception("stream %s: frame %d failed", self.id, frame.number)
-                    await self.send_error(500, f"internal error: {type(exc).__name__}", None, frame.number)
+                await self.decide(frame)
 
     async def decide(self, frame: _Frame) -> None:
-        from app.web.systemone import decide, jev_response
-
         if self.decision is None:
-            await self.send_error(409, "send a config message before frames", "config", frame.number)
+            await self.send_error(HTTPError(409, "send a config message before frames", param="config"), frame.number)
             return
         started = time.monotonic()
         decision = dataclasses.replace(self.decision, images=(frame.image,))
         try:
-            outcome = await decide(self.services, decision, "stream")
-        except RequestError as exc:
-            error = HTTPError.from_request_error(exc)
-            await self.send({"type": "error", "frame": frame.number, "status": error.status, **error.body()})
-            return
-        except HTTPError as exc:
-            await self.send({"type": "error", "frame": frame.number, "status": exc.status, **exc.body()})
-            return
-        except EngineInputError as exc:
-            await self.send_error(exc.status, exc.message, exc.param, frame.number)
-            return
-        except EngineError as exc:
-            await self.send_error(502, f"engine failed: {exc}", None, frame.number)
+            plan = await self.services.offload(checked_plan, self.services, decision)
+            outcome = await decide(self.services, Prepared(decision, plan, None), "stream")
+        except Exception as exc:  # noqa: BLE001 - a frame that fails is reported; the session goes on
+            await self.send_error(exc, frame.number)
             return
         done = time.monotonic()
         self.decided += 1
+        self.services.metrics.frame_decided()
         dropped, self.dropped = self.dropped, []
         await self.send({
             "type": "result",
             "frame": frame.number,
-            **jev_response(self.services, outcome),
+            **jev_body(self.services.reader.info.model, outcome),
             "timing": {
                 "queue_ms": round((started - frame.received) * 1000, 1),
                 "read_ms": round((done - started) * 1000, 1),
@@ -265,6 +259,10 @@ class StreamSession:
         })
 
 
+def _b64decode(payload: str) -> bytes:
+    return base64.b64decode(payload, validate=True)
+
+
 def _offered(websocket: WebSocket) -> tuple[str | None, str | None]:
     """(subprotocol to accept, bearer token offered as `bearer.<token>`)."""
     offered = [p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
@@ -272,13 +270,39 @@ def _offered(websocket: WebSocket) -> tuple[str | None, str | None]:
     return (SUBPROTOCOL if SUBPROTOCOL in offered else None), token
 
 
+async def _close(websocket: WebSocket, code: int, reason: str) -> None:
+    try:
+        await websocket.close(code=code, reason=reason[:120])
+    except (RuntimeError, WebSocketDisconnect, OSError):
+        pass  # the client is gone already
+
+
+async def supervise(session: StreamSession) -> None:
+    """Both loops in one task group: the client leaving ends the receive loop and so the session;
+    a failure of either loop cancels the other and propagates."""
+    async with anyio.create_task_group() as group:
+        group.start_soon(session.decide_loop, name=f"djev-{session.id}-decide")
+        await session.receive_loop()
+        group.cancel_scope.cancel()
+
+
+def _first_failure(exc: BaseException) -> BaseException:
+    """The exception that ended a session, out of the task group's exception group."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
 async def stream(websocket: WebSocket) -> None:
-    services: "Services" = websocket.app.state.services
+    services: Services = websocket.app.state.services
     subprotocol, token = _offered(websocket)
     await websocket.accept(subprotocol=subprotocol)
+    limit = services.settings.max_sessions
+    if len(services.sessions) >= limit:
+        await _close(websocket, CLOSE_TRY_LATER, f"too many camera sessions: at most {limit}; try again later")
+        return
     session = StreamSession(services, websocket)
     services.sessions[session.id] = session
-    decider_task: asyncio.Task | None = None
     try:
         await session.authenticate(token)
         info = services.reader.info
@@ -287,23 +311,17 @@ async def stream(websocket: WebSocket) -> None:
             "device": info.device, "tiny": info.tiny,
             "limits": {"frame_bytes": services.settings.max_image_bytes, "messages_per_second": RATE_PER_SECOND},
         })
-        decider_task = asyncio.create_task(session.decide_loop(), name=f"djev-{session.id}")
-        await session.receive_loop()
-    except Closing as exc:
-        log.info("stream %s closed: %s %s", session.id, exc.code, exc.reason)
-        try:
-            await websocket.close(code=exc.code, reason=exc.reason[:120])
-        except (RuntimeError, WebSocketDisconnect, OSError):
-            pass
-    except (WebSocketDisconnect, OSError, RuntimeError):
-        pass
+        await supervise(session)
+    except Exception as raised:  # noqa: BLE001 - every way a session ends is handled here
+        exc = _first_failure(raised)
+        if isinstance(exc, Closing):
+            log.info("stream %s closed: %s %s", session.id, exc.code, exc.reason)
+            await _close(websocket, exc.code, exc.reason)
+        elif not isinstance(exc, (WebSocketDisconnect, OSError)):
+            reply = error_reply(exc)  # logs a bug with its traceback
+            log.warning("stream %s failed: %s", session.id, reply.message)
+            await _close(websocket, reply.close_code, f"session failed: {reply.message}")
     finally:
-        if decider_task is not None:
-            decider_task.cancel()
-            try:
-                await decider_task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the session is over either way
-                pass
         services.sessions.pop(session.id, None)
 
 

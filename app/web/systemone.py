@@ -5,26 +5,18 @@ Parse, decide, serialize: no model logic lives here.
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING
-
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.decisions.errors import RequestError
-from app.decisions.request import Decision, parse_decision
-from app.decisions.run import Outcome
-from app.web.body import read_payload
-from app.web.errors import HTTPError, json_response
+from app.web.answers import jev_body
+from app.web.body import read_raw
+from app.web.errors import json_response
+from app.web.services import services
+from app.web.work import decide, json_reply, options_in, prepare
 
-if TYPE_CHECKING:
-    from app.server import Services
-
-log = logging.getLogger("djev.decisions")
-
-# Jev's model aliases (spec/jev-contract.md §1.9). Any model id is accepted on a decision; the
-# served model's name is what answers.
+# Jev's model aliases. Any model id is accepted on a decision; the served model's name is what
+# answers.
 JEV_ALIASES = (
     ("jev-latest", "Latest stable decision model; answered here by the served DiffusionGemma"),
     ("jev-preview", "Preview alias; answered here by the served DiffusionGemma"),
@@ -32,37 +24,12 @@ JEV_ALIASES = (
 RELEASE_DATE = "2026-11-29"
 
 
-def services(request: Request) -> "Services":
-    return request.app.state.services
-
-
-async def decide(svc: "Services", decision: Decision, route: str) -> Outcome:
-    """Run one decision under admission control and log it in one line."""
-    with svc.admission.slot():
-        outcome = await svc.decider.decide(decision)
-    log.info("%s: %s", route, outcome.summary)
-    return outcome
-
-
-def jev_response(svc: "Services", outcome: Outcome) -> dict:
-    return {
-        "model": svc.reader.info.model,
-        "answers": outcome.answers,
-        "usage": {"input_tokens": int(outcome.input_tokens), "output_tokens": int(outcome.output_tokens)},
-        "diagnostics": outcome.diagnostics,
-    }
-
-
 async def systemone(request: Request) -> Response:
     svc = services(request)
-    payload = await read_payload(request, svc.settings.max_body_bytes)
-    try:
-        decision = parse_decision(payload.body, svc.settings.limits, images=payload.images, assets=payload.assets)
-    except RequestError as exc:
-        raise HTTPError.from_request_error(exc) from None
-    svc.check_images(decision)
-    outcome = await decide(svc, decision, "systemone")
-    return json_response(jev_response(svc, outcome))
+    raw = await read_raw(request, svc.settings.max_body_bytes)
+    prepared = await svc.offload(prepare, svc, raw)
+    outcome = await decide(svc, prepared, "systemone", request.receive)
+    return await json_reply(svc, jev_body(svc.reader.info.model, outcome), options_in(prepared.decision))
 
 
 async def models(request: Request) -> Response:

@@ -147,8 +147,8 @@ def test_structure_and_live_run_places_every_card(page_factory, page_server):
     assert page.locator("h1").text_content() == "Cube Rule Live"
     heads = page.locator(".row-head .sides").all_text_contents()
     assert heads == SIDES
-    page.wait_for_function("document.querySelectorAll('#pool .card').length + document.querySelectorAll('.rows .card').length === 27")
-    page.wait_for_function("document.getElementById('cube').dataset.state === 'live'", timeout=15_000)
+    page.wait_for_function("() => document.querySelectorAll('#pool .card').length + document.querySelectorAll('.rows .card').length === 27")
+    page.wait_for_function("() => document.getElementById('cube').dataset.state === 'live'", timeout=15_000)
     assert page.locator("#run-live").is_disabled() and page.locator("#replay").is_disabled()
     page.wait_for_function(ALL_PLACED, arg=27, timeout=RUN_TIMEOUT_MS)
     page.wait_for_timeout(1200)  # the last flight and the tracks scrolling back
@@ -170,10 +170,10 @@ def test_structure_and_live_run_places_every_card(page_factory, page_server):
 
 def test_replay_starts_when_health_fails_and_places_every_card(page_factory, page_server):
     page = open_cube(page_factory, page_server, health_fails=True, viewport=TALL)
-    page.wait_for_function("document.getElementById('cube').dataset.state === 'replay'", timeout=15_000)
+    page.wait_for_function("() => document.getElementById('cube').dataset.state === 'replay'", timeout=15_000)
     assert page.locator("#run-live").is_disabled()
     assert page.get_attribute("#run-live", "title") == "needs the djev server"
-    page.wait_for_function("document.getElementById('status').textContent.includes('(replay)')")
+    page.wait_for_function("() => document.getElementById('status').textContent.includes('(replay)')")
     page.wait_for_timeout(2000)
     screenshot(page, "cube-replay-running")
     page.wait_for_function(ALL_PLACED, arg=27, timeout=RUN_TIMEOUT_MS)
@@ -199,7 +199,7 @@ def test_replay_starts_when_health_fails_and_places_every_card(page_factory, pag
     assert board["pool"] == 27 and sum(row["count"] for row in board["rows"]) == 0
     assert board["state"] == "idle"
     page.click("#replay")
-    page.wait_for_function("document.querySelectorAll('.rows .card').length >= 2", timeout=15_000)
+    page.wait_for_function("() => document.querySelectorAll('.rows .card').length >= 2", timeout=15_000)
     page.click("#reset")
     assert page.evaluate(BOARD)["pool"] == 27
     assert page.errors == [] and page.external == []
@@ -255,7 +255,7 @@ def test_a_users_photo_becomes_a_card_and_is_classified_live(page_factory, page_
     photo = tmp_path / "my_lunch.png"
     photo.write_bytes(png_photo())
     page = open_cube(page_factory, page_server)
-    page.wait_for_function("document.getElementById('cube').dataset.state === 'live'", timeout=15_000)
+    page.wait_for_function("() => document.getElementById('cube').dataset.state === 'live'", timeout=15_000)
     page.click("#reset")  # stop the automatic run: the photo should not wait for 27 reads
     page.set_input_files("#add-photo", str(photo))
     page.wait_for_selector("#pool .card.user")
@@ -297,20 +297,20 @@ def test_a_server_with_an_api_key_waits_for_the_key(page_factory, tiny_dir):
 
     with live_server(create_app(Settings(api_key="cube-key"), make_tiny_reader(tiny_dir))) as url:
         page = open_cube(page_factory, url)
-        page.wait_for_function("document.getElementById('status').textContent.includes('api key')", timeout=15_000)
+        page.wait_for_function("() => document.getElementById('status').textContent.includes('api key')", timeout=15_000)
         assert page.evaluate(BOARD)["state"] == "idle"  # no automatic run without the key
         assert page.locator("#run-live").is_enabled()
         assert page.get_attribute("#api-key", "placeholder") == "required"
         page.fill("#api-key", "wrong")
         page.dispatch_event("#api-key", "change")
         page.click("#run-live")
-        page.wait_for_function("document.getElementById('cube').dataset.state === 'error'", timeout=15_000)
+        page.wait_for_function("() => document.getElementById('cube').dataset.state === 'error'", timeout=15_000)
         status = page.locator("#status").text_content()
         assert status.startswith("error: HTTP 401"), status
         assert page.locator("#run-live").is_enabled() and page.locator("#replay").is_enabled()
         page.fill("#api-key", "cube-key")
         page.dispatch_event("#api-key", "change")
         page.click("#run-live")
-        page.wait_for_function("document.querySelectorAll('.rows .card').length >= 1", timeout=30_000)
+        page.wait_for_function("() => document.querySelectorAll('.rows .card').length >= 1", timeout=30_000)
         page.click("#reset")
         assert page.errors == []

@@ -44,7 +44,7 @@ def rows(page) -> list[list[str]]:
 
 
 def wait_rows(page, count: int) -> list[list[str]]:
-    page.wait_for_function(f"document.querySelectorAll('#answers tbody tr').length === {count}", timeout=TIMEOUT_MS)
+    page.wait_for_function(f"() => document.querySelectorAll('#answers tbody tr').length === {count}", timeout=TIMEOUT_MS)
     return rows(page)
 
 
@@ -89,7 +89,7 @@ def test_bad_json_and_http_errors_show_red(page_server, page_factory):
 
     page.fill("#request", json.dumps({"questions": {"x": {"type": "bogus", "instructions": "?"}}}))
     page.click("#send")
-    page.wait_for_function("document.getElementById('status').textContent.startsWith('HTTP 4')")
+    page.wait_for_function("() => document.getElementById('status').textContent.startsWith('HTTP 4')")
     assert "status-error" in page.get_attribute("#status", "class")
     assert page.errors == []
 
@@ -104,7 +104,7 @@ def test_hash_autoload_sends_immediately(page_server, page_factory):
     assert page.errors == []
 
     bad = open_playground(page_factory, page_server, "#req=%%%not-base64")
-    bad.wait_for_function("document.getElementById('status').textContent.startsWith('bad #req: ')")
+    bad.wait_for_function("() => document.getElementById('status').textContent.startsWith('bad #req: ')")
     assert "status-error" in bad.get_attribute("#status", "class")
 
 
@@ -126,7 +126,7 @@ def test_skipped_answers_render_as_skipped(page_server, page_factory):
 def test_webcam_one_shot_posts_a_frame(page_server, page_factory):
     page = open_playground(page_factory, page_server)
     page.select_option("#mode", "oneshot")
-    page.wait_for_function("document.getElementById('status').textContent === 'camera on'")
+    page.wait_for_function("() => document.getElementById('status').textContent === 'camera on'")
     assert page.is_visible("#video") and page.is_visible("#capture")
     assert not page.is_visible("#live-toggle") and not page.is_visible("#rt-toggle")
     # The ticket example was swapped for the image example when the camera started.
@@ -161,11 +161,11 @@ def test_realtime_streams_frames_over_the_websocket(page_server, page_factory):
     ws_urls: list[str] = []
     page.on("websocket", lambda ws: ws_urls.append(ws.url))
     page.select_option("#mode", "realtime")
-    page.wait_for_function("document.getElementById('status').textContent === 'camera on'")
+    page.wait_for_function("() => document.getElementById('status').textContent === 'camera on'")
     page.click("#rt-toggle")
     page.wait_for_function(
-        "(() => { const c = document.getElementById('rt-count').dataset;"
-        " return Number(c.decided) >= 4 && Number(c.sent) > 3; })()",
+        "() => { const c = document.getElementById('rt-count').dataset;"
+        " return Number(c.decided) >= 4 && Number(c.sent) > 3; }",
         timeout=TIMEOUT_MS,
     )
     assert ws_urls and ws_urls[0].startswith("ws://") and ws_urls[0].endswith("/v1/stream")
@@ -175,7 +175,7 @@ def test_realtime_streams_frames_over_the_websocket(page_server, page_factory):
     table = rows(page)
     assert [row[0] for row in table] == ["scene", "hand"]
     first = page.inner_text("#raw")
-    page.wait_for_function(f"document.getElementById('raw').textContent !== {json.dumps(first)}")
+    page.wait_for_function(f"() => document.getElementById('raw').textContent !== {json.dumps(first)}")
     assert json.loads(page.inner_text("#raw"))["type"] == "result"
     assert "ms round trip" in page.inner_text("#meta")
     screenshot(page, "playground-realtime")

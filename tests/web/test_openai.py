@@ -89,6 +89,28 @@ def test_t19_chat_form_refusals_are_400(fake, make, message):
     assert message in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("raw", [b"{oops", b"", b'{"messages": NaN}'])
+def test_the_chat_form_answers_a_body_that_is_not_json_with_400(fake, raw):
+    response = fake.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert body["error"]["param"] == "body" and body["detail"]["error_type"] == "invalid_request_error"
+    assert not fake.reader.reads
+
+
+def test_the_chat_form_runs_under_request_timeout(tokenizer):
+    import asyncio
+
+    class Slow(ScriptedReader):
+        async def read(self, specs):
+            await asyncio.sleep(30)
+
+    with TestClient(create_app(Settings(request_timeout=0.3), Slow(tokenizer))) as client:
+        response = client.post("/v1/chat/completions", json=chat())
+        assert response.status_code == 504 and response.json()["error"]["type"] == "timeout_error"
+        assert client.get("/health").json()["in_flight"] == 0
+
+
 def test_t13_raw_generation_and_the_api_key(tiny_reader):
     with TestClient(create_app(Settings(api_key="s3cret"), tiny_reader)) as client:
         body = {"messages": [{"role": "user", "content": "Name three primary colors."}], "max_tokens": 8}

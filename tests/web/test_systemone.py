@@ -50,7 +50,8 @@ def assert_envelope(response, status, message_part, param=None):
         assert body["error"]["param"] == param
     if status == 422:
         assert isinstance(body["detail"], list) and body["detail"][0]["loc"][0] == "body"
-        assert body["detail"][0]["msg"] == body["error"]["message"]
+        if body["detail"][0]["type"] not in ("json_invalid", "missing"):  # FastAPI's own wording there
+            assert body["detail"][0]["msg"] == body["error"]["message"]
     return body
 
 
@@ -72,6 +73,13 @@ def test_the_readme_example_on_the_tiny_model(tiny):
     assert isinstance(body["usage"]["input_tokens"], int) and isinstance(body["usage"]["output_tokens"], int)
     assert body["usage"]["input_tokens"] > 0 and body["usage"]["output_tokens"] > 0
     assert body["diagnostics"]["engine"] == "hf"
+
+
+def test_unknown_top_level_keys_are_ignored_as_jev_does(fake):
+    response = fake.post("/v1/systemone", json={**TICKET, "samples": 1, "x_trace_id": "t-1"})
+    assert response.status_code == 200, response.text
+    assert response.json()["diagnostics"]["ignored"] == ["x_trace_id"]
+    assert "ignored" not in fake.post("/v1/systemone", json={**TICKET, "samples": 1}).json()["diagnostics"]
 
 
 def test_decisions_alias_and_any_model_id(fake):
@@ -163,7 +171,7 @@ BAD_BODIES = [
     ({**TICKET, "think": "lots"}, 422, "think must be", "think"),
     ({**TICKET, "state": None}, 422, "state: required", "state"),
     ({**TICKET, "images": ["not an image"]}, 422, "images[0]", "images.0"),
-    ({**TICKET, "bogus": 1}, 422, "unknown field 'bogus'", "bogus"),
+    ({**TICKET, "questions": {"a": {"type": "noul", "bogus": 1}}}, 422, "unknown field 'bogus'", "questions.a.bogus"),
     ([1, 2, 3], 422, "must be a JSON object", None),
     ({**TICKET, "questions": {"a": {"type": "choice", "criteria": {f"o{i}": None for i in range(256)}}}},
      400, "Too many choices", "questions.a.criteria"),
@@ -189,26 +197,49 @@ def test_jev_limit_errors_carry_jevs_plain_string_detail(fake):
     assert fake.post("/v1/systemone", json=body).json()["detail"] == "Too many score levels. Must have at most 10 levels."
 
 
+# A body that is not JSON is a 422 in FastAPI's shape (json_invalid, loc ["body", position]); an
+# empty body is FastAPI's "missing"; JSON past our nesting limit is a 400 (a limit, not a syntax error).
 RAW_BODIES = [
-    (b"not json", "application/json", 400, "not valid JSON"),
-    (b"", "application/json", 400, "empty"),
-    (b'{"state": NaN, "questions": {}}', "application/json", 400, "NaN is not valid JSON"),
-    (b'{"state": Infinity}', "application/json", 400, "Infinity"),
-    (b"[" * 5000 + b"]" * 5000, "application/json", 400, "nested"),
-    (b'{"state": {"a": {"b": ' + b"[" * 100 + b"]" * 100 + b"}}}", "application/json", 400, "nested deeper"),
-    (b"\xff\xfe garbage", "application/json", 400, "not UTF-8"),
-    (b'{"state": "x", "state": "y"}', "application/json", 400, "duplicate key 'state'"),
-    (b'{"questions": {"a": {"type": "choice", "criteria": {"x": null, "x": null}}}}', "application/json", 400,
-     "duplicate key 'x'"),
-    (b"<xml/>", "application/xml", 415, "application/xml"),
+    (b"not json", "application/json", 422, "not valid JSON", ("json_invalid", 0, "Expecting value")),
+    (b'{"state": "x",}', "application/json", 422, "not valid JSON",
+     ("json_invalid", 14, "Expecting property name enclosed in double quotes")),
+    (b"", "application/json", 422, "empty", ("missing", None, None)),
+    (b'{"state": NaN, "questions": {}}', "application/json", 422, "NaN is not valid JSON",
+     ("json_invalid", 0, "NaN is not valid JSON")),
+    (b'{"state": Infinity}', "application/json", 422, "Infinity", ("json_invalid", 0, "Infinity is not valid JSON")),
+    (b"\xff\xfe garbage", "application/json", 422, "not UTF-8", ("json_invalid", 0, "not UTF-8 text")),
+    (b'{"state": "x", "state": "y"}', "application/json", 422, "duplicate key 'state'",
+     ("json_invalid", 0, "duplicate key 'state'")),
+    (b'{"questions": {"a": {"type": "choice", "criteria": {"x": null, "x": null}}}}', "application/json", 422,
+     "duplicate key 'x'", ("json_invalid", 0, "duplicate key 'x'")),
+    (b"[" * 5000 + b"]" * 5000, "application/json", 400, "nested", None),
+    (b'{"state": {"a": {"b": ' + b"[" * 100 + b"]" * 100 + b"}}}", "application/json", 400, "nested deeper", None),
+    (b"<xml/>", "application/xml", 415, "application/xml", None),
 ]
 
 
-@pytest.mark.parametrize("raw, content_type, status, message", RAW_BODIES)
-def test_unparseable_bodies(fake, raw, content_type, status, message):
+@pytest.mark.parametrize("raw, content_type, status, message, fastapi", RAW_BODIES)
+def test_unparseable_bodies(fake, raw, content_type, status, message, fastapi):
     response = fake.post("/v1/systemone", content=raw, headers={"content-type": content_type})
-    assert_envelope(response, status, message)
+    body = assert_envelope(response, status, message)
+    if fastapi is not None:
+        kind, position, error = fastapi
+        (detail,) = body["detail"]
+        assert detail["type"] == kind and body["error"]["param"] == "body"
+        if kind == "json_invalid":
+            assert detail["loc"] == ["body", position] and detail["msg"] == "JSON decode error"
+            assert error in detail["ctx"]["error"]
+        else:
+            assert detail == {"loc": ["body"], "msg": "Field required", "type": "missing"}
     assert fake.get("/health").status_code == 200
+    assert not fake.reader.reads
+
+
+def test_a_multipart_request_part_that_is_not_json_is_422_at_its_part(fake):
+    files = {"request": (None, b'{"state": ', "application/json")}
+    response = fake.post("/v1/systemone", files=files)
+    body = assert_envelope(response, 422, "request: not valid JSON", param="request")
+    assert body["detail"][0]["loc"] == ["body", "request", 10] and body["detail"][0]["type"] == "json_invalid"
 
 
 def test_curl_without_a_content_type_still_reads_json(fake):
@@ -247,6 +278,9 @@ def test_compressed_bodies(fake):
     response = fake.post("/v1/systemone", content=b"not gzip", headers={"content-type": "application/json",
                                                                         "content-encoding": "gzip"})
     assert_envelope(response, 400, "does not decompress")
+    not_json = fake.post("/v1/systemone", content=gzip.compress(b"{oops"),
+                         headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert_envelope(not_json, 422, "not valid JSON")
 
 
 def test_unknown_routes_and_methods(fake):

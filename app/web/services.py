@@ -1,0 +1,70 @@
+"""What routes need, built once per app: settings, the reader, the decider, admission, the open
+camera sessions, and the small worker pool that keeps request-sized work off the event loop.
+
+Routes reach it through `services(request)`; app/server.py builds it. app/web never imports
+app/server.py, so the wiring reads one way: server → web.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+import anyio
+from starlette.requests import HTTPConnection
+
+from app.config import Settings
+from app.decisions.request import Decision
+from app.decisions.run import Decider, Plan
+from app.engine.base import Reader
+from app.web.admission import Admission
+from app.web.metrics import Metrics
+
+T = TypeVar("T")
+
+# Threads for parsing, validation and image header checks. They hold the GIL for most of their
+# work, so more threads than this buys nothing on a small machine; the bound is what keeps a burst
+# of 32 MiB bodies from taking every core from the engine thread.
+WORKER_THREADS = 4
+
+
+@dataclass
+class Services:
+    settings: Settings
+    reader: Reader
+    decider: Decider
+    admission: Admission
+    started: float = field(default_factory=time.time)
+    sessions: dict[str, Any] = field(default_factory=dict)  # open /v1/stream sessions by id
+    workers: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(WORKER_THREADS))
+    metrics: Metrics = field(default_factory=Metrics)  # this app's own registry (/metrics)
+
+    @classmethod
+    def build(cls, settings: Settings, reader: Reader) -> "Services":
+        workers = anyio.CapacityLimiter(WORKER_THREADS)
+
+        async def offload(fn: Callable[..., Any], *args: Any) -> Any:
+            return await anyio.to_thread.run_sync(fn, *args, limiter=workers)
+
+        return cls(
+            settings=settings,
+            reader=reader,
+            # The decider plans in the same bounded pool as parsing and validation.
+            decider=Decider(reader, settings.read_settings, offload=offload),
+            admission=Admission(settings.max_inflight, settings.max_inflight_cost),
+            workers=workers,
+        )
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking `fn(*args)` in the worker pool. Cancelling the caller waits for the thread
+        to finish its (bounded) work and drops the result."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.workers)
+
+    def plan(self, decision: Decision) -> Plan:
+        """What a decision will read and cost (blocking: call it in a worker thread)."""
+        return self.decider.plan(decision)
+
+
+def services(conn: HTTPConnection) -> Services:
+    return conn.app.state.services

@@ -1,0 +1,140 @@
+"""Running a request's work: prepared in a worker thread, admitted by cost, bounded by
+REQUEST_TIMEOUT, and dropped when the client leaves.
+
+Cancellation is how a reader drops queued work (the Reader contract), so both the deadline and a
+disconnect end a decision the same way: the task awaiting it is cancelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, TypeVar
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive
+
+from app.decisions.chat import chat_to_body
+from app.decisions.request import Decision, parse_decision
+from app.decisions.run import Outcome, Plan
+from app.web.body import RawBody, parse_payload
+from app.web.errors import ClientGone, render_json
+from app.web.images import check_images
+from app.web.services import Services
+
+log = logging.getLogger("djev.decisions")
+T = TypeVar("T")
+
+
+async def guarded(svc: Services, work: Callable[[], Awaitable[T]], receive: Receive | None = None) -> T:
+    """`await work()` under REQUEST_TIMEOUT (TimeoutError past it: a 504), cancelled when `receive`
+    (the request's ASGI channel, its body already read) reports the client gone (ClientGone)."""
+    outcome: list[T] = []
+    gone = False
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        nonlocal gone
+        assert receive is not None
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone = True
+                scope.cancel()
+                return
+
+    with anyio.fail_after(svc.settings.request_timeout):
+        try:
+            async with anyio.create_task_group() as group:
+                if receive is not None:
+                    group.start_soon(watch, group.cancel_scope)
+                outcome.append(await work())
+                group.cancel_scope.cancel()
+        except BaseExceptionGroup as group_error:
+            raise unwrap(group_error) from None
+    if gone or not outcome:
+        raise ClientGone()
+    return outcome[0]
+
+
+def unwrap(error: BaseException) -> BaseException:
+    """The one exception a task group raised (only the work itself can fail: the watcher cannot)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+@dataclass(frozen=True)
+class Prepared:
+    decision: Decision
+    plan: Plan  # made once, in the worker pool: priced for admission, then run
+    body: Any  # the parsed JSON body (the chat form echoes its model)
+
+    @property
+    def cost(self) -> int:
+        return self.plan.cost
+
+
+def prepare(svc: Services, raw: RawBody, chat_form: bool = False) -> Prepared:
+    """Parse, validate and price a decision request (blocking: runs in the worker pool)."""
+    settings = svc.settings
+    payload = parse_payload(raw, settings.max_body_bytes)
+    body = chat_to_body(payload.body) if chat_form else payload.body
+    decision = parse_decision(body, settings.limits, images=payload.images, assets=payload.assets)
+    return Prepared(decision, checked_plan(svc, decision), payload.body)
+
+
+def checked_plan(svc: Services, decision: Decision) -> Plan:
+    """The decision's images checked and its plan made; a 400 naming the expensive field when the
+    decision alone costs more than the whole admission budget (blocking: worker pool)."""
+    check_images(decision.images, svc.settings.max_image_pixels)
+    plan = svc.plan(decision)
+    if plan.cost > svc.admission.max_cost:
+        svc.admission.check_fits(plan.cost, expensive_field(svc, decision))
+    return plan
+
+
+def expensive_field(svc: Services, decision: Decision) -> str:
+    """Which field to name when a decision costs too much: the first of think and samples whose
+    removal alone brings it within budget, else the questions."""
+    budget = svc.admission.max_cost
+    cheaper = []
+    if decision.think:
+        cheaper.append(("think", dataclasses.replace(decision, think=0)))
+    if decision.samples.count > 1:
+        cheaper.append(("samples", dataclasses.replace(decision, samples=dataclasses.replace(decision.samples, count=1))))
+    for name, variant in cheaper:
+        if svc.plan(variant).cost <= budget:
+            return name
+    return "questions"
+
+
+async def decide(svc: Services, prepared: Prepared, route: str, receive: Receive | None = None) -> Outcome:
+    """Run one decision admitted by its cost, under the deadline, count it and log it in one line."""
+    started = time.perf_counter()
+    with svc.admission.admit(prepared.cost):
+        outcome = await guarded(svc, lambda: svc.decider.decide(prepared.decision, prepared.plan), receive)
+    svc.metrics.decided(route, outcome, time.perf_counter() - started)
+    log.info("%s: %s", route, outcome.summary)
+    return outcome
+
+
+# Up to this many answer options, rendering the response takes tens of microseconds: less than a
+# trip to the worker pool, so it stays on the loop.
+INLINE_RENDER_OPTIONS = 256
+
+
+def options_in(decision: Decision) -> int:
+    return sum(len(question.alternatives) for question in decision.questions)
+
+
+async def json_reply(svc: Services, payload: Any, options: int) -> Response:
+    """A JSON response; rendered in the worker pool when it is large (`options` answer options: an
+    answer to 256 questions of 255 options is megabytes of JSON)."""
+    if options <= INLINE_RENDER_OPTIONS:
+        body = render_json(payload)
+    else:
+        body = await svc.offload(render_json, payload)
+    return Response(body, media_type="application/json")
