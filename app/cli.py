@@ -1,4 +1,4 @@
-"""`djev serve | tiny-model`: parse flags, build Settings, choose the checkpoint, start the server."""
+"""`djev serve | selftest | tiny-model`: parse flags, build Settings, choose the checkpoint, start the server."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from app.config import Settings, field_kind
+from app.logs import configure_logging
 
 log = logging.getLogger("djev")
 
@@ -37,9 +38,18 @@ def build_parser() -> argparse.ArgumentParser:
         if kind is bool:
             serve.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=f"{f.metadata['help']} (env {env})")
+        elif kind is tuple:  # a list setting: the flag repeats
+            serve.add_argument(_flag(f.name), dest=f.name, action="append", default=None,
+                               help=f"{f.metadata['help']} (env {env})")
         else:
             serve.add_argument(_flag(f.name), dest=f.name, type=kind, default=None,
                                help=f"{f.metadata['help']} (env {env}, default {f.default!r})")
+
+    selftest = commands.add_parser("selftest", help="one decision end to end, printed; exit 1 on failure", description=(
+        "Send the README's three-question decision to a running server (--url), or, without --url, build the "
+        "engine the environment configures in this process and ask it. Settings come from the environment."))
+    selftest.add_argument("--url", help="a running djev server, e.g. http://127.0.0.1:8011")
+    selftest.add_argument("--timeout", type=float, default=120.0, help="seconds for the engine and the answer")
 
     tiny = commands.add_parser("tiny-model", help="write the tiny random-weight checkpoint to DIR")
     tiny.add_argument("directory", type=Path)
@@ -126,12 +136,60 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
     )
 
 
+def remote_options(settings: Settings, served_name: str, tiny: bool):
+    from app.engine.vllm_remote import RemoteOptions
+
+    return RemoteOptions(
+        upstreams=settings.upstream,
+        connect_timeout=settings.upstream_connect_timeout,
+        read_timeout=settings.upstream_read_timeout,
+        health_interval=settings.upstream_health_interval,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        served_name=served_name,
+        canvas_length=settings.canvas,
+        tiny=tiny,
+    )
+
+
+def vllm_options(settings: Settings, served_name: str, tiny: bool):
+    from app.engine.vllm_local import VLLMOptions
+
+    return VLLMOptions(
+        device=settings.device,
+        canvas_length=settings.canvas,
+        max_seqs=settings.max_seqs,
+        max_model_len=settings.max_model_len,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        gpu_util=settings.gpu_util,
+        kv_cache_gb=settings.kv_cache_gb,
+        attn=settings.attn,
+        extra_args=settings.extra_args,
+        cache_dir=settings.cache_dir,
+        torch_mem_fraction=settings.torch_mem_fraction,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        served_name=served_name,
+        tiny=tiny,
+    )
+
+
 def build_reader(settings: Settings):
-    from app.engine.hf import load_hf_reader
     from app.engine.tiny import TINY_MODEL_NAME
 
     checkpoint, tiny = resolve_checkpoint(settings)
     served = settings.served_name or (TINY_MODEL_NAME if tiny else checkpoint.name)
+    if settings.engine == "remote":
+        from app.engine.vllm_remote import load_remote_reader
+
+        return load_remote_reader(checkpoint, remote_options(settings, served, tiny))
+    if settings.engine == "vllm":
+        from app.engine.vllm_local import load_vllm_reader
+
+        try:
+            return load_vllm_reader(checkpoint, vllm_options(settings, served, tiny))
+        except ImportError as exc:  # vLLM missing: the message says what to install
+            raise CheckpointError(str(exc)) from None
+    from app.engine.hf import load_hf_reader
+
     return load_hf_reader(checkpoint, hf_options(settings, served, tiny))
 
 
@@ -163,7 +221,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"djev: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings)
+    if args.command == "selftest":
+        from app.selftest import run_selftest
+
+        try:
+            return run_selftest(settings, args.url, args.timeout)
+        except CheckpointError as exc:
+            print(f"selftest FAILED: {exc}", file=sys.stderr)
+            return 1
     try:
         return serve(settings)
     except CheckpointError as exc:

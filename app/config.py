@@ -15,7 +15,7 @@ from app.decisions.run import ReadSettings
 
 
 # The engines this build has.
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm", "remote")
 LOG_FORMATS = ("text", "json")
 
 
@@ -35,7 +35,8 @@ class Settings:
     models_dir: str = field(default="./models", metadata=_meta("MODELS_DIR", "where checkpoints live"))
     model_name: str = field(default="dgemma", metadata=_meta("MODEL_NAME", "checkpoint folder under MODELS_DIR"))
     served_name: str = field(default="", metadata=_meta("SERVED_NAME", "model name in responses; empty = folder name"))
-    engine: str = field(default="hf", metadata=_meta("ENGINE", "hf: transformers DiffusionGemma in this process"))
+    engine: str = field(default="hf", metadata=_meta(
+        "ENGINE", "hf: transformers in this process; vllm: vLLM in this process; remote: vLLM servers at UPSTREAM"))
     device: str = field(default="auto", metadata=_meta("DEVICE", "auto, cpu, cuda or cuda:N"))
     canvas: int = field(default=128, metadata=_meta("CANVAS", "widest canvas a read may use, in tokens"))
     canvas_step: int = field(default=16, metadata=_meta("CANVAS_STEP", "canvas widths round up to this"))
@@ -80,6 +81,32 @@ class Settings:
     log_level: str = field(default="info", metadata=_meta("LOG_LEVEL", "debug, info, warning"))
     log_format: str = field(default="text", metadata=_meta(
         "LOG_FORMAT", "text, or json: one JSON object per line with the request id"))
+    # The vLLM engines (--engine vllm | remote); names and defaults of the reference's container.
+    upstream: tuple[str, ...] = field(default=(), metadata=_meta(
+        "UPSTREAM", "remote: vLLM OpenAI server base URLs (repeat --upstream; env: comma-separated)"))
+    upstream_connect_timeout: float = field(default=5.0, metadata=_meta(
+        "UPSTREAM_CONNECT_TIMEOUT", "remote: seconds to connect to an upstream"))
+    upstream_read_timeout: float = field(default=300.0, metadata=_meta(
+        "UPSTREAM_READ_TIMEOUT", "remote: seconds an upstream may take to answer a request"))
+    upstream_health_interval: float = field(default=5.0, metadata=_meta(
+        "UPSTREAM_HEALTH_INTERVAL", "remote: seconds between health checks of the upstreams"))
+    max_seqs: int = field(default=32, metadata=_meta("MAX_SEQS", "vllm: --max-num-seqs (canvases at once)"))
+    max_model_len: int = field(default=4096, metadata=_meta(
+        "MAX_MODEL_LEN", "vllm: prompt + canvas tokens per request (131072 in the long-context profile)"))
+    max_num_batched_tokens: int = field(default=0, metadata=_meta(
+        "MAX_NUM_BATCHED_TOKENS", "vllm: prefill chunk in tokens; 0 = vLLM's default"))
+    gpu_util: float = field(default=0.40, metadata=_meta(
+        "GPU_UTIL", "vllm: fraction of GPU memory vLLM plans for (0.45 in the long-context profile)"))
+    kv_cache_gb: float = field(default=2.0, metadata=_meta(
+        "KV_CACHE_GB", "vllm: fixed KV cache pool in GiB (24 in the long-context profile)"))
+    attn: str = field(default="auto", metadata=_meta(
+        "ATTN", "vllm: attention backend; auto = TRITON_ATTN on a GPU, vLLM's choice on CPU"))
+    extra_args: str = field(default="", metadata=_meta(
+        "EXTRA_ARGS", "vllm: more engine flags, as for `vllm serve` (e.g. --async-scheduling)"))
+    cache_dir: str = field(default="", metadata=_meta(
+        "CACHE_DIR", "vllm: cache folder for vLLM and compilers; empty = vLLM's default (~/.cache/vllm)"))
+    torch_mem_fraction: float = field(default=0.0, metadata=_meta(
+        "TORCH_MEM_FRACTION", "vllm: cap torch's share of GPU memory in this process; 0 = off"))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
@@ -90,7 +117,7 @@ class Settings:
             raw = env.get(f.metadata["env"])
             if raw is not None and raw.strip() != "":
                 values[f.name] = _convert(f, raw.strip())
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        values.update({k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v is not None})
         settings = cls(**values)
         settings.validate()
         return settings
@@ -122,8 +149,27 @@ class Settings:
             problems.append("REQUEST_TIMEOUT must be more than 0 seconds")
         if not self.auto_threshold >= 0:
             problems.append("AUTO_THRESHOLD must be at least 0")
+        problems.extend(self._vllm_problems())
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _vllm_problems(self) -> list[str]:
+        problems = []
+        if self.engine == "remote" and not self.upstream:
+            problems.append("ENGINE remote needs at least one UPSTREAM (--upstream http://host:port)")
+        for url in self.upstream:
+            if not url.startswith(("http://", "https://")):
+                problems.append(f"UPSTREAM {url!r} must start with http:// or https://")
+        for name in ("upstream_connect_timeout", "upstream_read_timeout", "upstream_health_interval"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{_env_name(name)} must be more than 0 seconds")
+        if self.max_seqs < 1 or self.max_model_len < self.canvas + 1:
+            problems.append(f"MAX_SEQS must be at least 1 and MAX_MODEL_LEN more than CANVAS ({self.canvas})")
+        if not 0 < self.gpu_util <= 1 or not 0 <= self.torch_mem_fraction <= 1:
+            problems.append("GPU_UTIL must be in (0, 1] and TORCH_MEM_FRACTION in [0, 1]")
+        if self.kv_cache_gb < 0 or self.max_num_batched_tokens < 0:
+            problems.append("KV_CACHE_GB and MAX_NUM_BATCHED_TOKENS must be at least 0")
+        return problems
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
@@ -180,6 +226,8 @@ def _convert(f: dataclasses.Field, raw: str) -> Any:
             return float(raw)
         except ValueError:
             raise ValueError(f"{f.metadata['env']} must be a number, not {raw!r}") from None
+    if kind is tuple:
+        return tuple(item for item in raw.replace(",", " ").split() if item)
     return raw
 
 
@@ -187,7 +235,7 @@ def field_kind(f: dataclasses.Field) -> type:
     """The Python type of a setting (annotations are strings under `from __future__ import annotations`)."""
     if isinstance(f.type, type):
         return f.type
-    return {"int": int, "bool": bool, "str": str, "float": float}.get(str(f.type), str)
+    return {"int": int, "bool": bool, "str": str, "float": float, "tuple[str, ...]": tuple}.get(str(f.type), str)
 
 
 def env_table() -> list[tuple[str, str, str]]:
@@ -197,6 +245,8 @@ def env_table() -> list[tuple[str, str, str]]:
         default = f.default
         if isinstance(default, bool):
             default = "1" if default else "0"
+        elif isinstance(default, tuple):
+            default = ",".join(default)
         rows.append((f.metadata["env"], str(default), f.metadata["help"]))
     return rows
 

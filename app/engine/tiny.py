@@ -126,8 +126,10 @@ def build_config(tokenizer, canvas_length: int = 128):
         num_hidden_layers=6,  # five sliding layers, then one full layer (the real 5:1 pattern)
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
-        global_head_dim=32,
+        # vLLM's CPU attention supports head sizes 32, 64, 80, ... (16 is refused), so the tiny model
+        # keeps to sizes every engine runs.
+        head_dim=32,
+        global_head_dim=64,
         num_global_key_value_heads=1,
         attention_k_eq_v=True,
         sliding_window=64,
@@ -153,6 +155,9 @@ def build_config(tokenizer, canvas_length: int = 128):
         patch_size=8,
         pooling_kernel_size=3,
         position_embedding_size=512,
+        # vLLM sizes its multimodal budget from this (soft tokens per image); without it vLLM cannot
+        # start with images on. 70 is the image processor's budget below.
+        default_output_length=TINY_IMAGE_SOFT_TOKENS,
     )
     ids = tokenizer.convert_tokens_to_ids
     return DiffusionGemmaConfig(
@@ -163,6 +168,31 @@ def build_config(tokenizer, canvas_length: int = 128):
         image_token_id=ids("<|image|>"),
         canvas_length=canvas_length,
         initializer_range=0.3,
+    )
+
+
+# Soft tokens per image: the smallest budget Gemma 4 supports.
+TINY_IMAGE_SOFT_TOKENS = 70
+
+
+def build_generation_config(tokenizer):
+    """The sampler settings, written as numbers: vLLM reads generation_config.json and fails on nulls.
+    The values are transformers' DiffusionGemma defaults."""
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        DiffusionGemmaGenerationConfig,
+        EntropyBoundSamplerConfig,
+    )
+
+    return DiffusionGemmaGenerationConfig(
+        max_denoising_steps=48,
+        t_min=0.4,
+        t_max=0.8,
+        stability_threshold=1,
+        confidence_threshold=0.005,
+        sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
 
 
@@ -179,12 +209,13 @@ def write_tiny_model(directory: str | Path, seed: int = 0) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = DiffusionGemmaForBlockDiffusion(config).eval()
+    model.generation_config = build_generation_config(tokenizer)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     image_processor = Gemma4ImageProcessorPil(
         patch_size=config.vision_config.patch_size,
         pooling_kernel_size=config.vision_config.pooling_kernel_size,
-        max_soft_tokens=70,  # the smallest budget Gemma 4 supports: 70 soft tokens per image
+        max_soft_tokens=TINY_IMAGE_SOFT_TOKENS,
     )
     image_processor.save_pretrained(path)
     (path / "djev.json").write_text(json.dumps({"tiny": True, "name": TINY_MODEL_NAME, "seed": seed}) + "\n")

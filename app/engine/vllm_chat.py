@@ -1,0 +1,156 @@
+"""Prompts with images, for vLLM's chat route.
+
+vLLM's `/v1/completions` takes token ids but no images, and its `/v1/chat/completions` takes images
+but renders the prompt itself from messages with the checkpoint's chat template. So an image read
+is sent as the conversation djev rendered: the prompt ids are cut back into turns (every djev prompt
+is the checkpoint's chat template rendered over a system and a user turn, images ahead of the user
+text), and the model turn's opening, where djev's prompt goes past what the template adds, is sent
+as an assistant message vLLM continues. Before anything is sent, the same messages are rendered
+here with the same template and must give exactly djev's ids; and vLLM's answer carries the prompt
+ids it used (`return_token_ids`), which the engine checks again, so a read means the same on both
+routes.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from app.engine.base import EngineInputError, ImageInput, Prompt
+
+IMAGE_PART = "image"  # a content part that stands for the next image of the prompt
+
+
+@dataclass(frozen=True)
+class ChatForm:
+    """A prompt as chat messages: `messages` hold text parts and IMAGE_PART markers in place of
+    the images; `continue_final` says the last message is an assistant message to continue."""
+
+    messages: tuple[dict, ...]
+    thinking: bool
+    continue_final: bool
+
+    def request_fields(self, images: Sequence[ImageInput]) -> dict[str, Any]:
+        """messages (images as data URLs), the template switches, for a chat completions body."""
+        queue = list(images)
+        messages = []
+        for message in self.messages:
+            content = message["content"]
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part == IMAGE_PART:
+                        parts.append({"type": "image_url", "image_url": {"url": data_url(queue.pop(0))}})
+                    else:
+                        parts.append({"type": "text", "text": part})
+                content = parts
+            messages.append({"role": message["role"], "content": content})
+        fields: dict[str, Any] = {"messages": messages, "chat_template_kwargs": {"enable_thinking": self.thinking}}
+        if self.continue_final:
+            fields.update(add_generation_prompt=False, continue_final_message=True)
+        return fields
+
+
+def data_url(image: ImageInput) -> str:
+    content_type = image.content_type if image.content_type.startswith("image/") else "image/png"
+    return f"data:{content_type};base64,{base64.b64encode(image.data).decode('ascii')}"
+
+
+class ChatFormer:
+    """Cuts djev prompt ids into chat messages with the checkpoint's own tokenizer and template."""
+
+    def __init__(self, raw_tokenizer: Any, image_id: int) -> None:
+        self.raw = raw_tokenizer
+        self.image_id = image_id
+        self.turn_open = self._single_id("<|turn>")
+        self.turn_close = self._single_id("<turn|>")
+        self.think_marker = "<|think|>"
+
+    def _single_id(self, token: str) -> int:
+        ids = self.raw.encode(token, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"the tokenizer has no single {token!r} token: not a Gemma 4 chat tokenizer")
+        return int(ids[0])
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.raw.decode(list(ids), skip_special_tokens=False)
+
+    def form(self, prompt: Prompt) -> ChatForm:
+        ids = list(prompt.ids)
+        turns: list[tuple[str, list]] = []
+        opens = [i for i, token in enumerate(ids) if token == self.turn_open]
+        if not opens:
+            raise self._refuse("it has no chat turns")
+        for index, start in enumerate(opens):
+            end = opens[index + 1] if index + 1 < len(opens) else len(ids)
+            body = ids[start + 1:end]
+            closed = self.turn_close in body
+            if closed:
+                body = body[:body.index(self.turn_close)]
+            elif index + 1 < len(opens):
+                raise self._refuse("a turn is never closed")
+            turns.append((self._role_and_parts(body), closed))  # type: ignore[arg-type]
+        (last_role, last_parts), last_closed = turns[-1]
+        if last_closed or last_role != "model":
+            raise self._refuse("it does not end in the model's turn")
+        thinking = False
+        messages: list[dict] = []
+        for (role, parts), _ in turns[:-1]:
+            if role == "system" and parts and isinstance(parts[0], str) and parts[0].startswith(self.think_marker):
+                thinking = True
+                parts = [parts[0][len(self.think_marker):], *parts[1:]]
+            if IMAGE_PART in parts:
+                content: Any = [part for part in parts if part != ""]
+            else:
+                content = "".join(parts)
+            if role == "system" and content == "" and thinking:
+                continue  # the template writes a system turn of its own for the think marker
+            messages.append({"role": "assistant" if role == "model" else role, "content": content})
+        opening = "".join(part for part in last_parts if part != IMAGE_PART)
+        expected = self._decode(ids)
+        plain = ChatForm(tuple(messages), thinking, continue_final=False)
+        if self.render(plain) == expected:
+            return plain
+        if opening:
+            continued = ChatForm(tuple(messages) + ({"role": "assistant", "content": opening},), thinking, True)
+            if self.render(continued) == expected:
+                return continued
+        raise self._refuse("the chat template does not render it back exactly")
+
+    def _role_and_parts(self, body: Sequence[int]) -> tuple[str, list]:
+        """'role\\n' then text and image placeholders."""
+        parts: list = []
+        run: list[int] = []
+        for token in body:
+            if token == self.image_id:
+                parts.append(self._decode(run))
+                parts.append(IMAGE_PART)
+                run = []
+            else:
+                run.append(token)
+        parts.append(self._decode(run))
+        head = parts[0]
+        if "\n" not in head:
+            raise self._refuse("a turn has no role line")
+        role, parts[0] = head.split("\n", 1)
+        return role, parts
+
+    def render(self, form: ChatForm) -> str:
+        """The text the checkpoint's template makes of `form` (vLLM renders the same template)."""
+        messages = []
+        for message in form.messages:
+            content = message["content"]
+            if isinstance(content, list):
+                content = [{"type": "image"} if part == IMAGE_PART else {"type": "text", "text": part}
+                           for part in content]
+            messages.append({"role": message["role"], "content": content})
+        return self.raw.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=not form.continue_final,
+            continue_final_message=form.continue_final, enable_thinking=form.thinking,
+        )
+
+    @staticmethod
+    def _refuse(why: str) -> EngineInputError:
+        return EngineInputError(
+            f"this prompt cannot go through vLLM's chat route (needed for images): {why}", status=422, param="images")

@@ -1,0 +1,244 @@
+"""What the `vllm` and `remote` engines share: how a djev read becomes vLLM requests, and how vLLM's
+logprobs become `SlotRead`s.
+
+A read is one vLLM request per canvas: the prompt as token ids, `max_tokens` = the canvas width, and
+the canvas fields vLLM's DiffusionGemma takes in `extra_args` (`vllm_xargs` over HTTP):
+
+- `diffusion_seed_canvas`: the canvas itself (replaces the random initial canvas),
+- `diffusion_canvas_length`: its width,
+- `diffusion_max_steps`: the read's `steps`,
+- `diffusion_read_only`: emit after the last step, never commit, report temperature-1 logprobs,
+- `diffusion_pinned` (steps > 1 only): every position except the slots, held at its seed value.
+
+`logprob_token_ids` asks for exact logprobs of the label ids at every canvas position. Stock vLLM
+takes at most 128 ids per request, so a read with more distinct label ids (a 255-option question) is
+split into several requests of at most `cap` ids over the same canvas and the answers are merged.
+A one-step read takes no randomness in vLLM, so the parts agree exactly; with steps > 1 every part
+denoises on its own (vLLM's diffusion sampler has no per-request seed), which is one more reason
+steps > 1 on vLLM is not reproducible per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from app.engine.base import EngineError, ReadResult, ReadSpec, SlotRead
+
+# Stock vLLM's cap on `logprob_token_ids` per request (vllm.sampling_params.MAX_LOGPROB_TOKEN_IDS).
+STOCK_LOGPROB_ID_CAP = 128
+
+
+class UpstreamAnswerError(EngineError):
+    """vLLM answered, but not with what a read needs (a missing position, a missing label id)."""
+
+
+def label_id_groups(spec: ReadSpec, cap: int) -> list[tuple[int, ...]]:
+    """The distinct label ids of a read, sorted, in groups of at most `cap` (one request each)."""
+    ids = sorted({token for labels in spec.label_ids for token in labels})
+    return [tuple(ids[start:start + cap]) for start in range(0, len(ids), cap)]
+
+
+def read_extra_args(spec: ReadSpec, canvas: Sequence[int]) -> dict[str, Any]:
+    """The diffusion fields of one canvas's request."""
+    width = len(canvas)
+    args: dict[str, Any] = {
+        "diffusion_seed_canvas": list(canvas),
+        "diffusion_canvas_length": width,
+        "diffusion_max_steps": spec.steps,
+        "diffusion_read_only": True,
+    }
+    if spec.steps > 1:
+        slots = set(spec.slots)
+        args["diffusion_pinned"] = [position for position in range(width) if position not in slots]
+    return args
+
+
+def completion_read_body(spec: ReadSpec, canvas: Sequence[int], ids: Sequence[int], model: str | None) -> dict:
+    """`POST /v1/completions` for one canvas and one group of label ids."""
+    body: dict[str, Any] = {
+        "prompt": list(spec.prompt.ids),
+        "max_tokens": len(canvas),
+        "logprob_token_ids": list(ids),
+        "logprobs": len(ids),
+        "return_tokens_as_token_ids": True,
+        "vllm_xargs": read_extra_args(spec, canvas),
+    }
+    if model:
+        body["model"] = model
+    return body
+
+
+@dataclass(frozen=True)
+class CanvasAnswer:
+    """What vLLM said about one canvas: per position, id -> logprob; the argmax id per position."""
+
+    logprobs: list[dict[int, float]]
+    argmax_ids: list[int]
+    prompt_tokens: int
+
+
+def _token_id(token: Any, where: str) -> int:
+    if isinstance(token, str) and token.startswith("token_id:"):
+        try:
+            return int(token[len("token_id:"):])
+        except ValueError:
+            pass
+    raise UpstreamAnswerError(f"{where}: expected a token as 'token_id:<id>', got {str(token)[:40]!r}")
+
+
+def _logprob(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UpstreamAnswerError(f"{where}: expected a number, got {str(value)[:40]!r}")
+    return float(value)
+
+
+def _prompt_tokens(answer: Mapping[str, Any]) -> int:
+    usage = answer.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        return int(usage["prompt_tokens"])
+    raise UpstreamAnswerError("the answer has no usage.prompt_tokens")
+
+
+def _first_choice(answer: Any) -> Mapping[str, Any]:
+    if not isinstance(answer, dict):
+        raise UpstreamAnswerError("the answer is not a JSON object")
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise UpstreamAnswerError("the answer has no choices")
+    logprobs = choices[0].get("logprobs")
+    if not isinstance(logprobs, dict):
+        raise UpstreamAnswerError("the answer has no logprobs")
+    return logprobs
+
+
+def parse_completion_read(answer: Any) -> CanvasAnswer:
+    """A `/v1/completions` answer: `logprobs.tokens[i]` is position i's argmax, `top_logprobs[i]`
+    maps 'token_id:<id>' to its logprob."""
+    logprobs = _first_choice(answer)
+    tokens, tops = logprobs.get("tokens"), logprobs.get("top_logprobs")
+    if not isinstance(tokens, list) or not isinstance(tops, list) or len(tokens) != len(tops):
+        raise UpstreamAnswerError("logprobs.tokens and logprobs.top_logprobs are missing or differ in length")
+    maps: list[dict[int, float]] = []
+    for position, top in enumerate(tops):
+        where = f"position {position}"
+        if not isinstance(top, dict):
+            raise UpstreamAnswerError(f"{where}: top_logprobs is not an object")
+        maps.append({_token_id(key, where): _logprob(value, where) for key, value in top.items()})
+    argmax = [_token_id(token, f"position {i}") for i, token in enumerate(tokens)]
+    return CanvasAnswer(maps, argmax, _prompt_tokens(answer))
+
+
+def parse_chat_read(answer: Any) -> CanvasAnswer:
+    """A `/v1/chat/completions` answer: `logprobs.content[i]` holds position i's argmax `token` and
+    its `top_logprobs` as a list of {token, logprob}."""
+    content = _first_choice(answer).get("content")
+    if not isinstance(content, list):
+        raise UpstreamAnswerError("logprobs.content is missing")
+    maps: list[dict[int, float]] = []
+    argmax: list[int] = []
+    for position, entry in enumerate(content):
+        where = f"position {position}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("top_logprobs"), list):
+            raise UpstreamAnswerError(f"{where}: no top_logprobs")
+        argmax.append(_token_id(entry.get("token"), where))
+        found: dict[int, float] = {}
+        for item in entry["top_logprobs"]:
+            if not isinstance(item, dict):
+                raise UpstreamAnswerError(f"{where}: a top_logprobs entry is not an object")
+            found[_token_id(item.get("token"), where)] = _logprob(item.get("logprob"), where)
+        maps.append(found)
+    return CanvasAnswer(maps, argmax, _prompt_tokens(answer))
+
+
+def merge_answers(parts: Sequence[CanvasAnswer]) -> CanvasAnswer:
+    """The answers of one canvas's split requests as one (each part holds some of the label ids)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    maps = [dict(position) for position in first.logprobs]
+    for part in parts[1:]:
+        for position, found in zip(maps, part.logprobs):
+            position.update(found)
+    return CanvasAnswer(maps, first.argmax_ids, first.prompt_tokens)
+
+
+def slot_reads(spec: ReadSpec, answer: CanvasAnswer) -> tuple[SlotRead, ...]:
+    """Each slot's label logprobs and argmax from one canvas's answer."""
+    reads = []
+    for slot, labels in zip(spec.slots, spec.label_ids):
+        if slot >= len(answer.logprobs) or slot >= len(answer.argmax_ids):
+            raise UpstreamAnswerError(
+                f"the answer covers {len(answer.logprobs)} canvas positions; slot {slot} is past them")
+        found = answer.logprobs[slot]
+        missing = [token for token in labels if token not in found]
+        if missing:
+            raise UpstreamAnswerError(f"position {slot}: no logprob for label ids {missing[:8]}")
+        values = tuple(found[token] for token in labels)
+        if not all(math.isfinite(value) or value == -math.inf for value in values):
+            raise UpstreamAnswerError(f"position {slot}: a label logprob is not a number")
+        reads.append(SlotRead(label_logprobs=values, argmax_id=answer.argmax_ids[slot]))
+    return tuple(reads)
+
+
+def read_result(spec: ReadSpec, answers: Sequence[CanvasAnswer]) -> ReadResult:
+    """The ReadResult of a spec from its canvases' answers (in canvas order)."""
+    return ReadResult(
+        slots=tuple(slot_reads(spec, answer) for answer in answers),
+        prompt_tokens=answers[0].prompt_tokens if answers else 0,
+    )
+
+
+def checkpoint_ids(checkpoint: Path) -> tuple[int, int, int, int]:
+    """(vocab size, image token id, begin-of-image id, end-of-image id) from config.json."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    text = config.get("text_config") or config
+    return (int(text["vocab_size"]), int(config.get("image_token_id", -1)), int(config.get("boi_token_id", -1)),
+            int(config.get("eoi_token_id", -1)))
+
+
+def load_tokenizer(checkpoint: Path) -> tuple[Any, Any]:
+    """The checkpoint's tokenizer, loaded locally (templates are built here, whatever runs the
+    model): (HFChatTokenizer, the transformers tokenizer under it)."""
+    from transformers import AutoTokenizer
+
+    from app.engine.tokenizer import HFChatTokenizer
+
+    vocab_size, image_id, _, _ = checkpoint_ids(checkpoint)
+    raw = AutoTokenizer.from_pretrained(str(checkpoint))
+    return HFChatTokenizer(raw, vocab_size=vocab_size, image_token_id=image_id), raw
+
+
+def collapse_images(ids: Sequence[int], image_id: int, boi_id: int, eoi_id: int) -> list[int]:
+    """Prompt ids as vLLM expanded them (begin-of-image, soft tokens, end-of-image per image) with
+    each image back to djev's single placeholder, to compare with djev's own prompt ids."""
+    out: list[int] = []
+    inside = False
+    for token in ids:
+        if token == boi_id:
+            inside = True
+            out.append(image_id)
+        elif inside:
+            if token == eoi_id:
+                inside = False
+        else:
+            out.append(token)
+    return out
+
+
+async def gather_or_cancel(jobs: Sequence[Any]) -> list:
+    """Await every coroutine at once (all canvases of a read are submitted together); if one fails
+    or the caller is cancelled, cancel the rest and wait for them, so no request outlives its read."""
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        pending = [task for task in tasks if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
