@@ -1,6 +1,6 @@
 """The hf engine's read cost on the full-size DiffusionGemma 26B-A4B architecture (random bf16 weights).
 
-No checkpoint is needed: the model is built from the published config (spec/engine.md §2.1: 30
+No checkpoint is needed: the model is built from the published config (google/diffusiongemma-26B-A4B-it: 30
 layers, hidden 2816, 16 heads, 128 experts top-8, ...) with random weights, in bf16 on CUDA with
 `experts_implementation="grouped_mm"`, and read through the engine's own DiffusionRunner
 (app/engine/diffusion.py) -- the code `djev serve` runs, minus the asyncio queue in front of it.
@@ -14,7 +14,10 @@ Cases (prompt: --prompt-tokens random ids, default 300; canvas: 32 wide with 3 a
       all canvases -- reported as reads/s;
   (d) one decision with samples 4: one prompt, 4 canvases in one decoder pass.
 Each case: --warmup untimed calls (default 3), then the median (and p95) of --reps timed calls
-(default 15), with torch.cuda.synchronize() before and after each.
+(default 15), with torch.cuda.synchronize() before and after each. "graphs" mode replays both the
+prompt encoding (app/engine/prompt_graphs.py) and the decoder pass (app/engine/graphs.py) as CUDA
+graphs. On CUDA the naive transformers baseline (bench/naive.py) runs first on the same model, and
+every case is printed beside its naive counterpart as a ratio (engine / naive).
 
 Runs standalone on a GPU box with torch and transformers >= 5.17 (no Starlette, no uvicorn):
     python bench/bench_gpu.py                      # full size, CUDA; JSON to $OUT/bench_gpu.json
@@ -33,10 +36,11 @@ from typing import Any, Callable, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import fmt, header, latency_summary, machine, markdown_table, write_json  # noqa: E402
+from bench.naive import measure_naive, ratio  # noqa: E402
 
-# spec/engine.md §2.1 (google/diffusiongemma-26B-A4B-it). The rest -- RoPE per layer type, softcap 30,
+# The published config of google/diffusiongemma-26B-A4B-it. The rest -- RoPE per layer type, softcap 30,
 # tied embeddings, the 5:1 sliding:full pattern with the last layer full -- are the config class's
-# defaults. Built this way it has 25.42 B parameters, as the spec's appendix reports.
+# defaults. Built this way it has 25.42 B parameters.
 FULL_TEXT_CONFIG: dict[str, Any] = dict(
     vocab_size=262_144,
     hidden_size=2816,
@@ -166,6 +170,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     parameters = sum(p.numel() for p in model.parameters())
 
     server = Settings()  # the server's defaults for the prompt and batch limits
+    naive = measure_naive(model, batches=BATCHES, prompt_tokens=args.prompt_tokens, reps=args.reps) \
+        if on_cuda and args.naive else {}
 
     def runner(kv_entries: int, graphs: bool) -> Any:
         return DiffusionRunner(model, None, device=device, max_prompt_tokens=server.max_prompt_tokens,
@@ -177,29 +183,41 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     samples = specs.read(canvases=SAMPLES)
 
     cases: list[dict[str, Any]] = []
+    memory: dict[str, Any] = {}
     for mode in args.modes:
         graphs = mode == "graphs"
         uncached, cached = runner(0, graphs), runner(8, graphs)  # one model; the prompt KV cache off, and on
 
-        def case(name: str, reads: int, canvases: int, run: Any, call: Callable[[], Any]) -> None:
+        def case(name: str, reads: int, canvases: int, run: Any, call: Callable[[], Any],
+                 naive_ms: tuple[float | None, ...] = ()) -> None:
             result = timed(call, args.warmup, args.reps, run, sync)
             result.update(case=f"{name} [{mode}]", reads=reads, canvases=canvases,
-                          reads_per_s=reads / (result["p50_ms"] / 1000))
+                          reads_per_s=reads / (result["p50_ms"] / 1000), naive_ms=list(naive_ms))
             cases.append(result)
             print(f"  {name} [{mode}]: median {result['p50_ms']:.1f} ms", flush=True)
 
-        case("(a) one read, prompt not cached", 1, 1, uncached, lambda: read_all(uncached, [one]))
-        case("(b) one read, prompt KV cached", 1, 1, cached, lambda: read_all(cached, [one]))
+        eager_ms = naive.get("full_read_eager", {})
+        static_ms = naive.get("full_read_static_graph", {})
+        decoder_ms = naive.get("decoder_pass_graph", {})
+        case("(a) one read, prompt not cached", 1, 1, uncached, lambda: read_all(uncached, [one]),
+             (eager_ms.get(1), static_ms.get(1)))
+        case("(b) one read, prompt KV cached", 1, 1, cached, lambda: read_all(cached, [one]),
+             (naive.get("decoder_pass_eager", {}).get(1), decoder_ms.get(1)))
         for size in BATCHES:
             case(f"(c) batch of {size}, one call", size, size, uncached,
-                 lambda size=size: read_all(uncached, batch[:size]))
-        case(f"(d) one decision, samples {SAMPLES}", 1, SAMPLES, uncached, lambda: read_all(uncached, [samples]))
-        if graphs and uncached.graphs is not None and uncached.graphs.disabled:
-            print(f"  CUDA graphs were disabled: {uncached.graphs.disabled}", flush=True)
+                 lambda size=size: read_all(uncached, batch[:size]), (eager_ms.get(size), static_ms.get(size)))
+        case(f"(d) one decision, samples {SAMPLES}", 1, SAMPLES, uncached, lambda: read_all(uncached, [samples]),
+             (eager_ms.get(1), static_ms.get(1)))
+        for made in (uncached, cached):
+            for kind, graph_set in (("decoder", made.graphs), ("encoder", made.encoder_graphs)):
+                if graphs and graph_set is not None:
+                    memory[f"{kind} graphs, {'cached' if made is cached else 'uncached'} runner"] = {
+                        "captured": graph_set.captures, "held": len(graph_set.graphs),
+                        "memory_gib": round(graph_set.memory_bytes / 2**30, 2), "disabled": graph_set.disabled}
 
     return {
         "model": "tiny random-weight config (app/engine/tiny.py)" if args.tiny else
-                 "DiffusionGemma 26B-A4B architecture, random weights (spec/engine.md §2.1)",
+                 "DiffusionGemma 26B-A4B architecture, random weights (the published config)",
         "parameters": parameters,
         "dtype": str(dtype).replace("torch.", ""),
         "experts_implementation": getattr(model.config, "_experts_implementation", None),
@@ -211,6 +229,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "warmup": args.warmup,
         "reps": args.reps,
         "cases": cases,
+        "naive": naive,
+        "graphs": memory,
     }
 
 
@@ -220,8 +240,11 @@ def parameter_count(count: int) -> str:
 
 def report(results: dict[str, Any]) -> str:
     rows = [[c["case"], results["prompt_tokens"], c["reads"], c["canvases"], fmt(c["p50_ms"], 1), fmt(c["p95_ms"], 1),
-             fmt(c["reads_per_s"], 1), fmt(c["encoder_passes_per_call"], 0), fmt(c["decoder_passes_per_call"], 0)]
+             fmt(c["reads_per_s"], 1), fmt(c["encoder_passes_per_call"], 0), fmt(c["decoder_passes_per_call"], 0),
+             *[ratio(c["p50_ms"], n) for n in (c["naive_ms"] + [None, None])[:2]]]
             for c in results["cases"]]
+    naive = results.get("naive") or {}
+    naive_rows = [[name, *[fmt(values.get(b, float("nan")), 1) for b in BATCHES]] for name, values in naive.items()]
     memory = f", peak GPU memory {results['peak_memory_gib']} GiB" if results["peak_memory_gib"] is not None else ""
     return "\n".join([
         f"Model: {results['model']}, {parameter_count(results['parameters'])} parameters, {results['dtype']}, "
@@ -230,7 +253,14 @@ def report(results: dict[str, Any]) -> str:
         f"Median and p95 of {results['reps']} after {results['warmup']} warm-ups.",
         "",
         markdown_table(["case", "prompt tokens", "reads", "canvases", "median ms", "p95 ms", "reads/s",
-                        "encoder passes", "decoder passes"], rows),
+                        "encoder passes", "decoder passes", "/ naive eager (full read; (b): decoder pass)",
+                        "/ naive CUDA graph (StaticCache full read; (b): decoder pass)"], rows),
+        "",
+        "naive transformers on the same model, same process (median ms):" if naive else "(naive baseline not run)",
+        "",
+        markdown_table(["call", *[f"batch {b}" for b in BATCHES]], naive_rows) if naive else "",
+        "",
+        f"graphs: {results.get('graphs')}",
     ])
 
 
@@ -249,6 +279,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="decoder passes: eager, graphs (CUDA graph replay) or both, comma-separated "
                              "(default: eager,graphs on CUDA, eager on CPU)")
     parser.add_argument("--out", default=None, help="JSON results file (default: $OUT/bench_gpu.json when $OUT is set)")
+    parser.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive baseline")
     args = parser.parse_args(argv)
     import torch
 

@@ -1,23 +1,25 @@
 """Whole decisions on the full-size DiffusionGemma 26B-A4B architecture (random bf16 weights), through
 the code `djev serve` runs minus HTTP: parse_decision -> Decider -> HFReader's batching loop ->
-DiffusionRunner. This is the number to set beside the reference system's table (its "structured
-server, samples=1" and its concurrency curve), and the walk page's per-frame cost with a real-size
-vision tower.
+DiffusionRunner, with the naive transformers baseline (bench/naive.py) measured first on the same
+model in the same process, and every engine figure printed beside its naive figure as a ratio.
 
 The tokenizer is the tiny model's (the real one needs the checkpoint); the full config's image ids are
 set to that tokenizer's, and prompts come out a little longer than Gemma's tokenizer would make them.
-HTTP adds about 6-8 ms a request on top (bench_cpu.py measures that layer).
+HTTP adds a few ms a request on top (bench_cpu.py measures that layer).
 
 Cases:
   (A) one decision, the README's ticket (noul, 3-way choice, 3-level score), samples 1: a new state
       every time (prompt encoded) and the same state every time (prompt KV cached);
-  (B) closed-loop clients (1, 8, 32), each deciding unique-state tickets back to back for --seconds:
-      req/s, decisions/s (3 per request), p50, p95, and how many canvases shared each decoder pass;
-  (C) the walk page's frame (512x384 JPEG, ahead question): a clear frame (one image read) and a
-      blocked frame (ahead, then side restated: two image reads).
+  (B) closed-loop clients (--levels, default 1, 8, 16, 32, 64), each deciding unique-state tickets
+      back to back for --seconds: req/s, p50, p95, canvases per decoder pass;
+  (C) the walk page's frame (512x384 JPEG, ahead question): clear (one image read), blocked (two);
+  (D) think: the ticket with `think` 16 and 64 (random weights never stop a block early: every block
+      takes all its denoise passes), with the passes taken and the cost of one pass;
+  (E) how cost grows (--grids, on by default): 1 / 10 / 50 / 256 questions; prompts of 300 / 2k / 8k /
+      32k tokens, cold (new state) and warm (same state); 1 / 4 / 8 images.
 
     python bench/bench_gpu_decisions.py                 # full size on CUDA; JSON to $OUT/bench_gpu_decisions.json
-    python bench/bench_gpu_decisions.py --tiny --device cpu --seconds 2   # smoke test of the script
+    python bench/bench_gpu_decisions.py --tiny --device cpu --seconds 1 --reps 2 --no-grids   # smoke test
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_gpu import FULL_TEXT_CONFIG, build_model  # noqa: E402
 from bench.common import fmt, header, latency_summary, machine, markdown_table, write_json  # noqa: E402
+from bench.naive import measure_naive, ratio  # noqa: E402
 
 TICKET_QUESTIONS = {
     "urgent": {"type": "noul", "instructions": "Does the customer need a reply within the hour?"},
@@ -64,16 +67,23 @@ def ticket(rng: random.Random) -> dict:
     return {"state": {"ticket": f"{words} #{rng.randrange(10**9)}"}, "questions": TICKET_QUESTIONS, "samples": 1}
 
 
+_FRAMES_MADE = [0]  # every call of frames() draws new frames: a live camera never repeats one
+
+
 def frames(count: int) -> list[bytes]:
+    """`count` 512x384 JPEG frames, none equal to any frame drawn before in this process (so neither
+    the prompt KV cache nor the vision cache can serve a frame as "new")."""
     from PIL import Image, ImageDraw
 
     out = []
-    for index in range(count):
+    first = _FRAMES_MADE[0]
+    _FRAMES_MADE[0] += count
+    for index in range(first, first + count):
         image = Image.new("RGB", (512, 384), (150, 150, 150))
         draw = ImageDraw.Draw(image)
         draw.rectangle((0, 192, 512, 384), fill=(100, 100, 100))
         x = (index * 53) % 400
-        draw.rectangle((x, 120, x + 110, 300), fill=(40 + index % 50, 40, 40))
+        draw.rectangle((x, 120, x + 110, 300), fill=(40 + index % 50, 40 + index // 50 % 200, 40))
         buffer = io.BytesIO()
         image.save(buffer, "JPEG", quality=70)
         out.append(buffer.getvalue())
@@ -118,10 +128,11 @@ def build_reader(args: argparse.Namespace) -> Any:
                                 image_token_id=int(config.image_token_id))
     info = ReaderInfo(model=options.served_name, engine="hf", device=args.device, tiny=args.tiny,
                       canvas_length=settings.canvas)
-    return HFReader(runner, tokenizer, info, options), settings, sum(p.numel() for p in model.parameters())
+    return HFReader(runner, tokenizer, info, options), settings, model
 
 
 async def timed_decisions(decider: Any, bodies: Sequence[dict], images: Sequence[Sequence[Any]] = ()) -> list[float]:
+    from app.config import Settings
     from app.decisions.request import parse_decision
 
     seconds = []
@@ -133,6 +144,7 @@ async def timed_decisions(decider: Any, bodies: Sequence[dict], images: Sequence
 
 
 async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, seed: int) -> dict[str, Any]:
+    from app.config import Settings
     from app.decisions.request import parse_decision
 
     latencies: list[float] = []
@@ -158,17 +170,98 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
             "encoder_passes_per_request": delta.get("encoder_passes", 0) / max(requests, 1)}
 
 
+def questions(count: int) -> dict:
+    return {f"q{i}": {"type": "noul", "instructions": f"Does the ticket mention item {i}?"} for i in range(count)}
+
+
+def state_of(tokenizer: Any, tokens: int, rng: random.Random) -> str:
+    """A ticket text of about `tokens` tokens (the template adds a hundred or so more)."""
+    sample = [rng.choice(WORDS) for _ in range(400)]
+    per_word = len(tokenizer.encode(" ".join(sample))) / len(sample)
+    words = [rng.choice(WORDS) for _ in range(max(1, int(tokens / per_word)))]
+    while len(words) > 1 and len(tokenizer.encode(" ".join(words))) > tokens:
+        words = words[: int(len(words) * 0.97)]
+    return " ".join(words) + f" #{rng.randrange(10**9)}"
+
+
+def breakdown(runner: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, float]:
+    """Where a new walk frame's read and a think denoise pass spend their time: each stage timed
+    alone (CUDA synchronized), medians over fresh frames. Runs while the reader is idle."""
+    import statistics
+
+    import torch
+
+    from app.engine.base import GenerateSpec, ImageInput, Prompt
+    from app.engine.diffusion import EncodedPrompt
+
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    stages: dict[str, list[float]] = {}
+
+    def timed(name: str, call: Any) -> Any:
+        sync()
+        started = time.perf_counter()
+        out = call()
+        sync()
+        stages.setdefault(name, []).append((time.perf_counter() - started) * 1000)
+        return out
+
+    ids = tuple(tokenizer.render_chat("Answer.", "What is ahead?", 1, False))
+    canvas = list(tokenizer.encode("ahead: all clear")) + [tokenizer.turn_close_id]
+    canvas += [tokenizer.pad_id] * (32 - len(canvas))
+    with torch.no_grad():
+        for data in frames(args.reps + 2):
+            prompt = Prompt(ids, (ImageInput(data, "image/jpeg", "frame"),))
+            inputs = timed("frame: image decode + processor (CPU) + upload", lambda: runner._expand(prompt))
+            embeds = timed("frame: vision tower + embeddings (graph where one is held)", lambda: runner._input_embeds(inputs))
+            layers = timed("frame: encoder pass (graph) + KV copy-out", lambda: runner._encode_embeds([embeds]))
+            encoded = EncodedPrompt(layers[0], int(embeds.shape[0]))
+            timed("frame: decoder pass (graph) + slot logits",
+                  lambda: runner._logits(runner._decoder_hidden([(encoded, canvas)])[0, :4]).cpu())
+        text = Prompt(tuple(tokenizer.render_chat("Think.", "a ticket", 0, True)))
+        gen = runner.start_generation(GenerateSpec(text, 64, (), seed=1), 64)
+        conditioning = None
+        for _ in range(min(args.reps + 2, 40)):
+            block = gen.block
+            if block is not None and block.conditioning is not None:
+                conditioning = block.conditioning
+                context = EncodedPrompt([(layer.keys, layer.values) for layer in gen.cache.layers], gen.length)
+                row = [(context, block.canvas[0].tolist())]
+                timed("think pass: decoder graph replay alone (width 64, self-conditioned)",
+                      lambda: runner.graphs.hidden(row, conditioning) if runner.graphs else runner._decoder_hidden(row, conditioning))
+            timed("think pass: whole step_generation (width 64)", lambda: runner.step_generation(gen))
+    return {name: round(statistics.median(values[2:] or values), 1) for name, values in stages.items()}
+
+
+def stat_delta(reader: Any, before: dict, name: str) -> float:
+    return reader.stats.get(name, 0) - before.get(name, 0)
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
     from app.decisions.run import Decider
     from app.engine.base import ImageInput
 
     started = time.perf_counter()
-    reader, settings, parameters = build_reader(args)
+    reader, settings, model = build_reader(args)
     build_s = time.perf_counter() - started
+    results: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters()), "build_s": round(build_s, 1)}
+    on_cuda = args.device.startswith("cuda")
+    if args.naive and on_cuda:
+        print("naive transformers baseline (same model, same process) ...", flush=True)
+        results["naive"] = measure_naive(model, batches=(1, 8, 32), prompt_tokens=300, reps=args.reps)
+        if args.grids:
+            results["naive_prompts"] = {}
+            for n in [n for n in args.grid_prompts if n != 300]:
+                try:
+                    results["naive_prompts"][n] = measure_naive(model, batches=(1,), prompt_tokens=n, static_batches=(),
+                                                                warmup=1, reps=3)["full_read_eager"].get(1)
+                except Exception as exc:  # noqa: BLE001 - e.g. out of memory at 32k: reported, not fatal
+                    print(f"  naive prompt {n}: failed: {exc!r}"[:300], flush=True)
+                    torch.cuda.empty_cache()
     await reader.start()
     decider = Decider(reader, settings.read_settings)
     rng = random.Random(0)
-    results: dict[str, Any] = {"parameters": parameters, "build_s": round(build_s, 1)}
     try:
         await timed_decisions(decider, [ticket(rng) for _ in range(args.warmup)])
         results["unique"] = latency_summary(await timed_decisions(decider, [ticket(rng) for _ in range(args.reps)]))
@@ -183,42 +276,164 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             await closed_loop(decider, reader, clients, min(2.0, args.seconds), seed=clients + 1000)  # warm-up
             point = await closed_loop(decider, reader, clients, args.seconds, seed=clients)
             results["curve"].append(point)
-            print(f"  {clients} clients: {point['req_per_s']:.2f} req/s, p50 {point['p50_ms']:.0f} ms", flush=True)
+            print(f"  {clients} clients: {point['req_per_s']:.2f} req/s, p50 {point['p50_ms']:.0f} ms, "
+                  f"p95 {point['p95_ms']:.0f} ms", flush=True)
 
         pictures = [(ImageInput(data, "image/jpeg", f"frame {i}"),) for i, data in enumerate(frames(args.reps + 2))]
         clear = {"state": WALK_STATE, "samples": 1, "questions": {"ahead": AHEAD}}
         blocked = {"state": WALK_STATE, "samples": 1, "questions": {"ahead": AHEAD, "side": SIDE}}
         await timed_decisions(decider, [clear, blocked], pictures[:2])
         results["clear_frame"] = latency_summary(await timed_decisions(decider, [clear] * args.reps, pictures[2:]))
-        results["blocked_frame"] = latency_summary(await timed_decisions(decider, [blocked] * args.reps, pictures[2:]))
-        results["image_prompt_tokens"] = reader.runner.prompts.get(
-            next(iter(reader.runner.prompts._items))).length if len(reader.runner.prompts) else None
+        fresh = [(ImageInput(data, "image/jpeg", f"frame {i}"),) for i, data in enumerate(frames(args.reps))]
+        results["blocked_frame"] = latency_summary(await timed_decisions(decider, [blocked] * args.reps, fresh))
+        results["breakdown"] = breakdown(reader.runner, reader.tokenizer, args)
         print(f"  walk frame: clear {results['clear_frame']['p50_ms']:.1f} ms, "
               f"blocked {results['blocked_frame']['p50_ms']:.1f} ms", flush=True)
-        graphs = reader.runner.graphs
+
+        results["think"] = []
+        for think in args.think:
+            await timed_decisions(decider, [{**ticket(rng), "think": think}])
+            before = dict(reader.stats)
+            seconds = await timed_decisions(decider, [{**ticket(rng), "think": think} for _ in range(args.think_reps)])
+            passes = stat_delta(reader, before, "generation_passes") / args.think_reps
+            summary = latency_summary(seconds)
+            per_pass = (summary["p50_ms"] - results["unique"]["p50_ms"]) / passes if passes else float("nan")
+            results["think"].append({"think": think, **summary, "passes": passes, "ms_per_pass": per_pass})
+            print(f"  think {think}: {summary['p50_ms']:.0f} ms, {passes:.0f} passes, {per_pass:.1f} ms a pass",
+                  flush=True)
+
+        if args.grids:
+            results["grids"] = await grids(decider, reader, args, rng)
+        runner = reader.runner
+        graphs, encoder_graphs = runner.graphs, runner.encoder_graphs
         results["cuda_graphs"] = None if graphs is None else {
-            "captured": graphs.captures, "disabled": graphs.disabled, "replays": reader.runner.stats["graph_replays"]}
+            "decoder_captured": graphs.captures, "decoder_disabled": graphs.disabled,
+            "decoder_held": len(graphs.graphs), "decoder_memory_gib": round(graphs.memory_bytes / 2**30, 2),
+            "encoder_captured": encoder_graphs.captures, "encoder_disabled": encoder_graphs.disabled,
+            "encoder_held": len(encoder_graphs.graphs),
+            "encoder_memory_gib": round(encoder_graphs.memory_bytes / 2**30, 2),
+            "vision_captured": getattr(runner.vision_graphs, "captures", None),
+            "vision_disabled": getattr(runner.vision_graphs, "disabled", None)}
         print(f"  cuda graphs: {results['cuda_graphs']}", flush=True)
+        results["stats"] = dict(reader.stats)
+        if on_cuda:
+            results["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     finally:
         await reader.stop()
     return results
 
 
+async def grids(decider: Any, reader: Any, args: argparse.Namespace, rng: random.Random) -> dict:
+    """How a decision's cost grows with questions, prompt length and images (new states unless warm)."""
+    from app.engine.base import ImageInput
+
+    reps = max(2, args.reps // 5)
+    out: dict[str, list] = {"questions": [], "prompts": [], "images": []}
+    for count in (1, 10, 50, 256):
+        def make(count: int = count) -> dict:
+            return {"state": {"ticket": f"ticket #{rng.randrange(10**9)}"}, "questions": questions(count), "samples": 1}
+
+        await timed_decisions(decider, [make()])
+        before = dict(reader.stats)
+        summary = latency_summary(await timed_decisions(decider, [make() for _ in range(reps)]))
+        out["questions"].append({"questions": count, **summary,
+                                 "canvases": stat_delta(reader, before, "decoder_rows") / reps})
+        print(f"  {count} questions: {summary['p50_ms']:.0f} ms", flush=True)
+    for tokens in args.grid_prompts:
+        def body(tokens: int = tokens) -> dict:
+            return {"state": state_of(reader.tokenizer, tokens - 150, rng), "questions": TICKET_QUESTIONS, "samples": 1}
+
+        try:
+            await timed_decisions(decider, [body()])
+            before = dict(reader.stats)
+            cold = latency_summary(await timed_decisions(decider, [body() for _ in range(reps)]))
+            cold["eager_encoder_passes"] = (stat_delta(reader, before, "encoder_passes")
+                                            - stat_delta(reader, before, "encoder_graph_replays")) / reps
+            same = body()
+            await timed_decisions(decider, [same])
+            warm = latency_summary(await timed_decisions(decider, [same] * reps))
+        except Exception as exc:  # noqa: BLE001 - one size that fails (memory) is reported, the rest still run
+            print(f"  prompt {tokens}: failed: {exc!r}"[:300], flush=True)
+            continue
+        out["prompts"].append({"tokens": tokens, "cold": cold, "warm": warm})
+        print(f"  prompt {tokens}: cold {cold['p50_ms']:.0f} ms, warm {warm['p50_ms']:.0f} ms", flush=True)
+    for count in (1, 4, 8):
+        shots = frames(count * (reps + 1))
+        sets = [tuple(ImageInput(data, "image/jpeg", f"image {i}") for i, data in enumerate(shots[n * count:(n + 1) * count]))
+                for n in range(reps + 1)]
+        walk = {"state": WALK_STATE, "samples": 1, "questions": {"ahead": AHEAD}}
+        await timed_decisions(decider, [walk], sets[:1])
+        summary = latency_summary(await timed_decisions(decider, [walk] * reps, sets[1:]))
+        out["images"].append({"images": count, **summary})
+        print(f"  {count} images: {summary['p50_ms']:.0f} ms", flush=True)
+    return out
+
+
 def report(results: dict[str, Any], args: argparse.Namespace) -> str:
-    single = [["new state each time (prompt encoded)", fmt(results["unique"]["p50_ms"], 1), fmt(results["unique"]["p95_ms"], 1)],
-              ["same state each time (prompt KV cached)", fmt(results["cached"]["p50_ms"], 1), fmt(results["cached"]["p95_ms"], 1)],
-              ["walk frame, clear (1 image read)", fmt(results["clear_frame"]["p50_ms"], 1), fmt(results["clear_frame"]["p95_ms"], 1)],
-              ["walk frame, blocked (2 image reads)", fmt(results["blocked_frame"]["p50_ms"], 1), fmt(results["blocked_frame"]["p95_ms"], 1)]]
-    curve = [[p["clients"], p["requests"], fmt(p["req_per_s"], 2), fmt(p["decisions_per_s"], 1), fmt(p["p50_ms"], 0),
-              fmt(p["p95_ms"], 0), fmt(p["canvases_per_pass"], 1)] for p in results["curve"]]
-    return "\n".join([
+    naive = results.get("naive") or {}
+    eager = naive.get("full_read_eager", {})
+    static = naive.get("full_read_static_graph", {})
+    decoder = naive.get("decoder_pass_graph", {})
+    nan = float("nan")
+
+    def row(name: str, summary: dict, first: float | None, second: float | None) -> list:
+        return [name, fmt(summary["p50_ms"], 1), fmt(summary["p95_ms"], 1), ratio(summary["p50_ms"], first),
+                ratio(summary["p50_ms"], second)]
+
+    single = [row("new state each time (prompt encoded)", results["unique"], eager.get(1), static.get(1)),
+              row("same state each time (prompt KV cached)", results["cached"], eager.get(1), decoder.get(1)),
+              row("walk frame, clear (1 image read)", results["clear_frame"], eager.get(1), static.get(1)),
+              row("walk frame, blocked (2 image reads)", results["blocked_frame"], eager.get(1), static.get(1))]
+    single += [row(f"think {t['think']}: {t['passes']:.0f} passes, {t['ms_per_pass']:.1f} ms a pass "
+                   f"({ratio(t['ms_per_pass'], decoder.get(1))} a naive graphed decoder pass)", t, eager.get(1),
+                   static.get(1)) for t in results["think"]]
+    curve = []
+    for p in results["curve"]:
+        batch = min(p["clients"], 32)
+        naive_rate = batch / eager[batch] * 1000 if batch in eager else nan
+        curve.append([p["clients"], p["requests"], fmt(p["req_per_s"], 2), fmt(p["p50_ms"], 0), fmt(p["p95_ms"], 0),
+                      fmt(p["canvases_per_pass"], 1), fmt(naive_rate, 1),
+                      "-" if naive_rate != naive_rate else f"{p['req_per_s'] / naive_rate:.2f}x"])
+    lines = [
         f"{results['parameters'] / 1e9:.2f} B parameters, built in {results['build_s']} s; "
-        f"medians of {args.reps} after {args.warmup} warm-ups; {args.seconds:g} s per concurrency level.",
+        f"medians of {args.reps} after {args.warmup} warm-ups; {args.seconds:g} s per concurrency level; "
+        f"peak GPU memory {results.get('peak_memory_gib')} GiB; graphs: {results.get('cuda_graphs')}.",
         "",
-        markdown_table(["one decision (samples 1)", "p50 ms", "p95 ms"], single),
+    ]
+    if naive:
+        lines += ["naive transformers, same model, same process (median ms; prompt 300, canvas 32, every row its own prompt):",
+                  "", markdown_table(
+                      ["batch", "full read eager", "full read StaticCache + 1 CUDA graph", "decoder pass eager",
+                       "decoder pass CUDA graph"],
+                      [[b, fmt(eager.get(b, nan), 1), fmt(static.get(b, nan), 1),
+                        fmt(naive.get("decoder_pass_eager", {}).get(b, nan), 1), fmt(decoder.get(b, nan), 1)]
+                       for b in (1, 8, 32)]), ""]
+    if results.get("breakdown"):
+        lines += ["where the time goes (medians, each stage alone, CUDA synchronized):", "",
+                  markdown_table(["stage", "ms"], [[name, fmt(ms, 1)] for name, ms in results["breakdown"].items()]), ""]
+    lines += [
+        markdown_table(["one decision (samples 1)", "p50 ms", "p95 ms", "/ naive full read eager b1",
+                        "/ naive StaticCache graph b1 (same state: / naive decoder graph b1)"], single),
         "",
-        markdown_table(["clients", "requests", "req/s", "decisions/s", "p50 ms", "p95 ms", "canvases per decoder pass"], curve),
-    ])
+        markdown_table(["clients", "requests", "req/s", "p50 ms", "p95 ms", "canvases per decoder pass",
+                        "naive reads/s (one eager batch of min(clients, 32))", "engine / naive"], curve),
+    ]
+    grid = results.get("grids")
+    if grid:
+        naive_prompts = {300: eager.get(1), **(results.get("naive_prompts") or {})}
+        lines += ["", markdown_table(["questions", "p50 ms", "p95 ms", "canvases per decision"],
+                                     [[q["questions"], fmt(q["p50_ms"], 1), fmt(q["p95_ms"], 1), fmt(q["canvases"], 1)]
+                                      for q in grid["questions"]]),
+                  "", markdown_table(["prompt tokens", "cold p50 ms", "warm p50 ms", "eager encoder passes (cold)",
+                                      "naive full read eager b1 ms", "cold / naive"],
+                                     [[p["tokens"], fmt(p["cold"]["p50_ms"], 1), fmt(p["warm"]["p50_ms"], 1),
+                                       fmt(p["cold"]["eager_encoder_passes"], 1),
+                                       fmt(naive_prompts.get(p["tokens"]) or nan, 1),
+                                       ratio(p["cold"]["p50_ms"], naive_prompts.get(p["tokens"]))]
+                                      for p in grid["prompts"]]),
+                  "", markdown_table(["images", "p50 ms", "p95 ms"],
+                                     [[i["images"], fmt(i["p50_ms"], 1), fmt(i["p95_ms"], 1)] for i in grid["images"]])]
+    return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -226,7 +441,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="the tiny config (a CPU smoke test of this script)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--seconds", type=float, default=12.0, help="seconds per concurrency level (default 12)")
-    parser.add_argument("--levels", default="1,8,32", help="client counts (default 1,8,32)")
+    parser.add_argument("--levels", default="1,8,16,32,64", help="client counts (default 1,8,16,32,64)")
+    parser.add_argument("--think", default="16,64", help="think budgets to time (default 16,64; empty: none)")
+    parser.add_argument("--think-reps", type=int, default=3)
+    parser.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive baseline")
+    parser.add_argument("--no-grids", dest="grids", action="store_false", help="skip the cost-growth grids (E)")
+    parser.add_argument("--grid-prompts", default="300,2000,8000,32000", help="prompt sizes of grid (E), in tokens")
     parser.add_argument("--eager", action="store_true", help="decoder passes without CUDA graphs (CUDA_GRAPHS=0)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
@@ -236,6 +456,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.levels = [int(level) for level in args.levels.split(",")]
+    args.think = [int(t) for t in args.think.split(",") if t.strip()]
+    args.grid_prompts = [int(t) for t in args.grid_prompts.split(",") if t.strip()]
     if not args.tiny and not args.device.startswith("cuda"):
         parser.error("the full-size model needs a GPU; use --tiny to check the script on a CPU")
     if args.out is None and os.environ.get("OUT"):

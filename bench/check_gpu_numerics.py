@@ -1,14 +1,17 @@
-"""Do batched, padded and CUDA-graph decoder passes read the same as a read alone? (GPU)
+"""Do batched, padded and CUDA-graph passes read the same as a read alone? (GPU)
 
 For each model size and dtype: five reads (prompts of 40 to 1500 tokens, one with 4 noise draws) are
-read one at a time, all together (left-padded KV, masks), through the CUDA-graph static buffers
-without capture, and with capture. Prints the largest label log-probability difference per read.
-In float32 every path agrees to ~1e-4. In bfloat16 with RANDOM weights the paths diverge: the random
-routers' near-uniform top-8 expert choices flip on any rounding difference between kernels, and the
-flip cascades; that is a property of random weights, not of the batching (float32 shows the math is
-the same), and graph replay is bit-identical to its own eager static path.
+read one at a time, all together (left-padded KV, masks), through the graph paths' static buffers
+without capture (decoder graphs; encoder graphs; both), and with both captured. Prints the largest
+label log-probability difference per read, and the largest key difference of the encoder graph's KV
+against the eager encoder's. In float32 every path agrees to ~1e-4. In bfloat16 with RANDOM weights
+the paths diverge: the random routers' near-uniform top-8 expert choices flip on any rounding
+difference between kernels, and the flip cascades; that is a property of random weights, not of the
+batching (float32 shows the math is the same), and graph replay is bit-identical to its own eager
+static path.
 
-    python bench/check_gpu_numerics.py      # on a GPU box; about a minute
+    python bench/check_gpu_numerics.py              # on a GPU box; about a minute
+    python bench/check_gpu_numerics.py 6:float32    # one model size and dtype (layers:dtype ...)
 """
 
 from __future__ import annotations
@@ -35,33 +38,95 @@ def main() -> None:
 
     from app.engine.diffusion import DiffusionRunner
     from app.engine.graphs import DecoderGraphs
+    from app.engine.prompt_graphs import EncoderGraphs
 
     device = torch.device("cuda")
-    for layers, dtype in ((6, torch.float32), (6, torch.bfloat16), (30, torch.bfloat16)):
+    for layers, dtype in [(int(n), getattr(torch, t)) for n, t in (c.split(":") for c in sys.argv[1:])] or \
+            ((6, torch.float32), (6, torch.bfloat16), (30, torch.bfloat16)):
         config = DiffusionGemmaConfig(text_config=dict(FULL_TEXT_CONFIG, num_hidden_layers=layers),
                                       vision_config={"model_type": "gemma4_vision"}, canvas_length=256)
         model = build_model(config, "cuda", dtype, "grouped_mm")
         specs = Specs(262144, 300)
         reads = [specs.read(), specs.read(canvases=4)] + [Specs(262144, n, seed=n).read() for n in (40, 700, 1500)]
 
-        def runner(graphs: bool = False, model=model) -> DiffusionRunner:
-            return DiffusionRunner(model, None, device=device, max_prompt_tokens=32768, kv_entries=64, max_rows=64,
+        def runner(graphs: bool = False, static_decoder: bool = False, static_encoder: bool = False,
+                   model=model) -> DiffusionRunner:
+            made = DiffusionRunner(model, None, device=device, max_prompt_tokens=32768, kv_entries=64, max_rows=64,
                                    cuda_graphs=graphs)
+            if static_decoder:
+                made.graphs = DecoderGraphs(model, made.layer_types, device, pad_id=0, capture=False)
+            if static_encoder:
+                made.encoder_graphs = EncoderGraphs(model, made.layer_types, device, capture=False,
+                                                    sliding_window=int(made.text_config.sliding_window))
+            return made
 
-        alone = [runner().read([spec])[0] for spec in reads]
+        plain = runner()
+        alone = [plain.read([spec])[0] for spec in reads]
         together = runner().read(reads)
-        static = runner()
-        static.graphs = DecoderGraphs(model, static.layer_types, device, pad_id=0, capture=False)
-        static_reads = [static.read([spec])[0] for spec in reads]
+        static_reads = [runner(static_decoder=True).read([spec])[0] for spec in reads]
+        encoder_static = runner(static_encoder=True)
+        encoder_reads = [encoder_static.read([spec])[0] for spec in reads]
+        # Largest KV difference, and how many (layer, token) KV rows differ by more than 1e-2: a few rows
+        # are random routers' expert flips; most rows would be a wrong mask, position or crop.
+        token_diffs = [(a[0] - b[0]).abs().amax(dim=(0, 1, 3))
+                       for spec in reads
+                       for a, b in zip(plain.encode(spec.prompt).layers, encoder_static.encode(spec.prompt).layers)]
+        kv = max(float(d.max()) for d in token_diffs)
+        kv_rows = f"{sum(int((d > 1e-2).sum()) for d in token_diffs)} of {sum(d.numel() for d in token_diffs)}"
+        both_static = runner(static_decoder=True, static_encoder=True)
+        both_reads = [both_static.read([spec])[0] for spec in reads]
         graphed = runner(graphs=True)
         graph_reads = [graphed.read([spec])[0] for spec in reads]
+        graph_batch = graphed.read(reads)
+        static_batch = both_static.read(reads)
         print(f"{layers} layers, {str(dtype).replace('torch.', '')}:")
-        print("  batched vs alone         ", [largest_difference(a, b) for a, b in zip(alone, together)])
-        print("  padded static vs alone   ", [largest_difference(a, b) for a, b in zip(alone, static_reads)])
-        print("  graph replay vs static   ", [largest_difference(a, b) for a, b in zip(static_reads, graph_reads)],
-              f"(captured {graphed.graphs.captures}, disabled: {graphed.graphs.disabled})", flush=True)
-        del model, static, graphed
+        print("  batched vs alone                 ", [largest_difference(a, b) for a, b in zip(alone, together)])
+        print("  decoder static vs alone          ", [largest_difference(a, b) for a, b in zip(alone, static_reads)])
+        print("  encoder static vs alone          ", [largest_difference(a, b) for a, b in zip(alone, encoder_reads)],
+              f"(largest KV difference {kv:.2e}; KV rows off by > 1e-2: {kv_rows})")
+        print("  graph replay vs both static      ", [largest_difference(a, b) for a, b in zip(both_reads, graph_reads)])
+        print("  batched graph replay vs static   ", [largest_difference(a, b) for a, b in zip(static_batch, graph_batch)],
+              f"(decoder captured {graphed.graphs.captures}, disabled: {graphed.graphs.disabled}; encoder captured "
+              f"{graphed.encoder_graphs.captures}, disabled: {graphed.encoder_graphs.disabled})", flush=True)
+        check_vision(model, device)
+        del model, plain, encoder_static, both_static, graphed
         torch.cuda.empty_cache()
+
+
+def check_vision(model, device) -> None:
+    """The vision graph path (app/engine/vision_graphs.py) against the library's forward, eager
+    (static) and replayed, on three new 512x384 frames at once (a 4-image bucket with padding)."""
+    import io
+
+    import torch
+    from PIL import Image, ImageDraw
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    from app.engine.vision_graphs import VisionGraphs
+
+    pictures = []
+    for n in range(3):
+        image = Image.new("RGB", (512, 384), (150, 150, 150))
+        ImageDraw.Draw(image).rectangle((40 * n, 120, 40 * n + 110, 300), fill=(40, 40 + 60 * n, 40))
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", quality=70)
+        pictures.append(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB"))
+    processed = Gemma4ImageProcessorPil()(pictures, return_tensors="pt")
+    pixels = processed["pixel_values"].to(device, model.dtype)
+    positions = processed["image_position_ids"].to(device)
+    with torch.no_grad():
+        library = model.model.encoder.get_image_features(pixels, positions, return_dict=True).pooler_output
+        library = library.reshape(-1, library.shape[-1])
+        static = VisionGraphs(model, device, capture=False).features(pixels, positions)
+        graphed = VisionGraphs(model, device, capture=True)
+        replayed = graphed.features(pixels, positions)
+    if replayed is None:
+        print(f"  vision graph: capture failed, eager as designed: {graphed.disabled}", flush=True)
+        return
+    scale = float(library.abs().max())
+    print(f"  vision static vs library: largest difference {float((static - library).abs().max()):.3g} "
+          f"(largest value {scale:.3g}); graph replay vs static: {float((replayed - static).abs().max()):.3g} "
+          f"(captured {graphed.captures})", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,327 @@
+"""Prompt encoding for DiffusionRunner: a prompt's KV (what the decoder reads), the bounded LRU of
+encoded prompts, image expansion and features, and batched encoder passes, replayed as CUDA graphs
+(app/engine/prompt_graphs.py) where a bucket fits and eager otherwise.
+
+Prompts missing from the LRU share encoder passes: sorted by length, at most `max_rows` a pass and
+`max_prompt_tokens` padded tokens, and, with encoder graphs, never across the bucket they fit. Image
+prompts go through the image processor and the vision tower one by one (features cached by the
+images' digests, so a frame restated in a later stage skips both), then share passes like text.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from app.engine.base import EngineInputError, Prompt
+
+
+@dataclass
+class EncodedPrompt:
+    """A prompt's KV as the decoder reads it: per layer, keys and values of shape [1, heads, n, dim]
+    (sliding-window layers keep only their window). Never mutated once stored."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    length: int  # prompt tokens as the model saw them, image soft tokens included
+
+
+class PromptCache:
+    """Bounded LRU of encoded prompts: a repeated prompt (the same state, the same question sheet)
+    pays its encoder pass once."""
+
+    def __init__(self, entries: int) -> None:
+        self.entries = entries
+        self._items: OrderedDict[tuple, EncodedPrompt] = OrderedDict()
+
+    def get(self, key: tuple) -> EncodedPrompt | None:
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+        return item
+
+    def put(self, key: tuple, item: EncodedPrompt) -> None:
+        if self.entries <= 0:
+            return
+        self._items[key] = item
+        self._items.move_to_end(key)
+        while len(self._items) > self.entries:
+            self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class PromptEncodingMixin:
+    """Prompt encoding for DiffusionRunner (which provides the model, config, caches and stats)."""
+
+    model: Any
+    config: Any
+    text_config: Any
+    device: torch.device
+    image_processor: Any
+    max_prompt_tokens: int
+    max_rows: int
+    prompts: "PromptCache"
+    vision: "PromptCache"
+    encoder_graphs: Any
+    vision_graphs: Any
+    stats: Any
+
+
+    def _expand(self, prompt: Prompt, *, reuse_vision: bool = False) -> dict[str, torch.Tensor]:
+        """Token ids with each image placeholder expanded, plus the vision inputs. With
+        `reuse_vision`, images whose features are in the vision LRU (a walk frame's later stages
+        restate the same frame) skip decoding and come back as `image_features` instead."""
+        ids = list(prompt.ids)
+        inputs: dict[str, torch.Tensor] = {}
+        known = self.vision.get(prompt.cache_key[1]) if prompt.images and reuse_vision else None
+        if known is not None:
+            counts, features = known
+            self.stats["vision_hits"] += 1
+            ids = self._expand_placeholders(ids, counts)
+            inputs["image_features"] = features
+        elif prompt.images:
+            if self.image_processor is None:
+                raise EngineInputError("this model has no image processor", status=422, param="images")
+            from PIL import Image
+
+            pictures = []
+            for image in prompt.images:
+                try:
+                    with Image.open(io.BytesIO(image.data)) as opened:
+                        pictures.append(opened.convert("RGB"))
+                except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's image
+                    raise EngineInputError(
+                        f"{image.source}: not a decodable image ({exc})", status=422, param=image.source
+                    ) from exc
+            processed = self.image_processor(pictures, return_tensors="pt")
+            counts = [int(n) for n in processed["num_soft_tokens_per_image"]]
+            ids = self._expand_placeholders(ids, counts)
+            inputs["soft_token_counts"] = torch.tensor(counts)
+            dtype = self.model.dtype
+            inputs["pixel_values"] = processed["pixel_values"].to(self.device, dtype)
+            inputs["image_position_ids"] = processed["image_position_ids"].to(self.device)
+        if len(ids) > self.max_prompt_tokens:
+            raise self._too_long(len(ids))
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        inputs["input_ids"] = input_ids
+        if prompt.images:
+            inputs["mm_token_type_ids"] = (input_ids == self.config.image_token_id).long()
+        return inputs
+
+    def _expand_placeholders(self, ids: list[int], counts: list[int]) -> list[int]:
+        """Each image placeholder becomes begin-of-image, its soft tokens, end-of-image."""
+        expanded: list[int] = []
+        placeholder = self.config.image_token_id
+        images_seen = 0
+        for token in ids:
+            if token == placeholder and images_seen < len(counts):
+                expanded.append(self.config.boi_token_id)
+                expanded.extend([placeholder] * counts[images_seen])
+                expanded.append(self.config.eoi_token_id)
+                images_seen += 1
+            else:
+                expanded.append(token)
+        if images_seen != len(counts):
+            raise EngineInputError(
+                f"the prompt has {images_seen} image placeholders for {len(counts)} images", status=422,
+                param="images",
+            )
+        return expanded
+
+    def _new_cache(self) -> Any:
+        from transformers.cache_utils import DynamicCache
+
+        return DynamicCache(config=self.text_config)
+
+    @torch.no_grad()
+    def encode(self, prompt: Prompt) -> EncodedPrompt:
+        """The prompt's KV, from the LRU or from one encoder pass."""
+        outcome = self.encode_many([prompt])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _encode_into_cache(self, prompt: Prompt) -> tuple[Any, int]:
+        """One eager encoder pass over the prompt into a fresh cache; (cache, prompt tokens incl. images)."""
+        inputs = self._expand(prompt)
+        inputs.pop("soft_token_counts", None)
+        length = int(inputs["input_ids"].shape[1])
+        cache = self._new_cache()
+        positions = torch.arange(length, device=self.device).unsqueeze(0)
+        self.model.model.encoder(past_key_values=cache, position_ids=positions, **inputs)
+        self.stats["encoder_passes"] += 1
+        return cache, length
+
+    @torch.no_grad()
+    def encode_many(self, prompts: Sequence[Prompt]) -> list[EncodedPrompt | Exception]:
+        """Encode several prompts: prompts missing from the LRU share left-padded encoder passes (at
+        most `max_rows` prompts and `max_prompt_tokens` padded tokens a pass, and, with encoder
+        graphs, the largest bucket that fits). Image prompts go through the vision tower one by one,
+        then share passes like text. A prompt that cannot be read gets its exception."""
+        results: list[EncodedPrompt | Exception | None] = [None] * len(prompts)
+        pending: dict[tuple, list[int]] = {}
+        for index, prompt in enumerate(prompts):
+            key = prompt.cache_key
+            cached = self.prompts.get(key)
+            if cached is not None:
+                self.stats["kv_hits"] += 1
+                results[index] = cached
+            elif key in pending:
+                pending[key].append(index)
+            elif not prompt.images and len(prompt.ids) > self.max_prompt_tokens:
+                results[index] = self._too_long(len(prompt.ids))
+            else:
+                pending[key] = [index]
+        text = [(key, indices) for key, indices in pending.items() if not prompts[indices[0]].images]
+        images = [(key, indices) for key, indices in pending.items() if prompts[indices[0]].images]
+        for batch in self._prompt_batches(text, [len(prompts[indices[0]].ids) for _, indices in text]):
+            rows = [list(prompts[indices[0]].ids) for _, indices in batch]
+            self._store(batch, self._encode_ids(rows), [len(ids) for ids in rows], results)
+        embedded: list[tuple[tuple, list[int]]] = []
+        expanded: list[dict[str, torch.Tensor]] = []
+        for key, indices in images:
+            try:
+                expanded.append(self._expand(prompts[indices[0]], reuse_vision=True))
+                embedded.append((key, indices))
+            except EngineInputError as exc:
+                for index in indices:
+                    results[index] = exc
+        self._image_features(expanded, [key[1] for key, _ in embedded])
+        embeds = [self._input_embeds(inputs) for inputs in expanded]
+        order = list(range(len(embedded)))
+        for batch in self._prompt_batches(list(zip(embedded, order)), [int(embeds[i].shape[0]) for i in order]):
+            rows = [embeds[i] for _, i in batch]
+            self._store([item for item, _ in batch], self._encode_embeds(rows), [int(r.shape[0]) for r in rows],
+                        results)
+        return results  # type: ignore[return-value]
+
+    def _prompt_batches(self, items: list, lengths: list[int]) -> list[list]:
+        """`items` grouped into encoder passes, shortest first: a pass holds at most `max_rows` rows and
+        `max_prompt_tokens` padded tokens, and, with encoder graphs, stays inside one graph bucket
+        whenever the prompts alone fit one."""
+        graphs = self.encoder_graphs
+        batches: list[list] = []
+        batch: list = []
+        longest = 0
+        for item, length in sorted(zip(items, lengths), key=lambda pair: pair[1]):
+            grown = max(longest, length)
+            full = len(batch) >= self.max_rows or grown * (len(batch) + 1) > self.max_prompt_tokens
+            if graphs is not None and batch and graphs.fits(len(batch), longest):
+                full = full or not graphs.fits(len(batch) + 1, grown)
+            if batch and full:
+                batches.append(batch)
+                batch, grown = [], length
+            batch.append(item)
+            longest = grown
+        if batch:
+            batches.append(batch)
+        return batches
+
+    def _store(self, batch: list[tuple[tuple, list[int]]], layers: list, lengths: list[int], results: list) -> None:
+        self.stats["kv_misses"] += len(batch)
+        for (key, indices), row_layers, length in zip(batch, layers, lengths):
+            encoded = EncodedPrompt(row_layers, length)
+            self.prompts.put(key, encoded)
+            for index in indices:
+                results[index] = encoded
+
+    def _image_features(self, expanded: list[dict[str, torch.Tensor]], digests: list[tuple]) -> None:
+        """Vision features for every prompt that needs them (sets `image_features`): the images of
+        all those prompts go through the vision tower together, one pass per patch layout (frames
+        of the same size from any number of camera sessions share it), replayed as a CUDA graph
+        where one is held; new features go into the vision LRU."""
+        groups: dict[tuple, list[int]] = {}
+        for number, inputs in enumerate(expanded):
+            if "pixel_values" in inputs and "image_features" not in inputs:
+                groups.setdefault(tuple(inputs["pixel_values"].shape[1:]), []).append(number)
+        encoder = self.model.model.encoder
+        for members in groups.values():
+            pixels = torch.cat([expanded[n]["pixel_values"] for n in members])
+            positions = torch.cat([expanded[n]["image_position_ids"] for n in members])
+            features = self.vision_graphs.features(pixels, positions) if self.vision_graphs is not None else None
+            if features is None:
+                features = encoder.get_image_features(pixels, positions, return_dict=True).pooler_output
+            else:
+                self.stats["vision_graph_replays"] += 1
+            self.stats["vision_passes"] += 1
+            features = features.reshape(-1, features.shape[-1]).to(self.model.dtype)
+            sizes = [int(expanded[n]["soft_token_counts"].sum()) for n in members]
+            for n, chunk in zip(members, torch.split(features, sizes)):
+                expanded[n]["image_features"] = chunk
+                if digests[n]:
+                    self.vision.put(digests[n], ([int(c) for c in expanded[n]["soft_token_counts"]], chunk))
+
+    def _input_embeds(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A prompt's input embeddings [n, hidden], its image features (from `_image_features` or
+        the vision LRU) scattered over its soft tokens, as the encoder model does before its text
+        layers."""
+        input_ids = inputs["input_ids"]
+        embeds = self.model.model.encoder.get_input_embeddings()(input_ids)
+        if "pixel_values" in inputs and "image_features" not in inputs:
+            self._image_features([inputs], [()])
+        features = inputs.get("image_features")
+        if features is not None:
+            mask = (input_ids == self.config.image_token_id).unsqueeze(-1)
+            embeds = embeds.masked_scatter(mask, features.to(embeds.dtype))
+        return embeds[0]
+
+    def _encode_ids(self, rows: list[list[int]]) -> list:
+        """Each row's KV layers: one graph replay, or one eager left-padded encoder pass."""
+        self.stats["encoder_passes"] += 1
+        if self.encoder_graphs is not None:
+            replayed = self.encoder_graphs.encode_ids(rows, self._pad_id())
+            if replayed is not None:
+                self.stats["encoder_graph_replays"] += 1
+                return replayed
+        embeds = self.model.model.encoder.get_input_embeddings()(self._left_padded(rows))
+        return self._encode_eager(embeds, [len(ids) for ids in rows])
+
+    def _encode_embeds(self, rows: list[torch.Tensor]) -> list:
+        self.stats["encoder_passes"] += 1
+        if self.encoder_graphs is not None:
+            replayed = self.encoder_graphs.encode_embeds(rows)
+            if replayed is not None:
+                self.stats["encoder_graph_replays"] += 1
+                return replayed
+        lengths = [int(row.shape[0]) for row in rows]
+        longest = max(lengths)
+        embeds = torch.stack([F.pad(row, (0, 0, longest - row.shape[0], 0)) for row in rows])
+        return self._encode_eager(embeds, lengths)
+
+    def _left_padded(self, rows: list[list[int]]) -> torch.Tensor:
+        longest = max(len(ids) for ids in rows)
+        pad = self._pad_id()
+        return torch.tensor([[pad] * (longest - len(ids)) + ids for ids in rows], device=self.device)
+
+    def _encode_eager(self, embeds: torch.Tensor, lengths: list[int]) -> list:
+        """The eager encoder pass over left-padded embeddings; each row's layers, left padding dropped."""
+        longest = int(embeds.shape[1])
+        attention = None  # no padding: no mask, so SDPA runs its causal kernels (a mask is ~4x slower at 8k)
+        if min(lengths) < longest:
+            attention = torch.tensor([[0] * (longest - n) + [1] * n for n in lengths], device=self.device)
+        offsets = torch.tensor([longest - n for n in lengths], device=self.device).unsqueeze(1)
+        positions = (torch.arange(longest, device=self.device).unsqueeze(0) - offsets).clamp_min(0)
+        cache = self._new_cache()
+        self.model.model.encoder.language_model(inputs_embeds=embeds, attention_mask=attention,
+                                                position_ids=positions, past_key_values=cache)
+        rows = []
+        for row, length in enumerate(lengths):
+            layers = []
+            for layer in cache.layers:
+                kept = layer.keys.shape[2]
+                start = max(0, kept - length)  # drop the left padding this layer still holds
+                layers.append((layer.keys[row:row + 1, :, start:].clone(), layer.values[row:row + 1, :, start:].clone()))
+            rows.append(layers)
+        return rows
+
+    def _too_long(self, length: int) -> EngineInputError:
+        return EngineInputError(
+            f"the prompt is {length} tokens; this server reads at most {self.max_prompt_tokens}",
+            status=400, param="state", error_type="max_tokens_exceeded",
+        )

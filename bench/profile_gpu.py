@@ -1,0 +1,62 @@
+"""Where a read's and a generation pass's GPU time goes (full-size random-weight model, CUDA graphs on).
+
+torch.profiler around: one new-state read (batch 1), one batch of 32 new-state reads, one batch of 8
+cached-prompt reads, and one generation denoise pass; prints, per case, wall time, the CPU and CUDA
+totals and the CUDA kernels that take the most time. With graphs the kernels run inside replays, so
+the table names what the graph replays (graph replays show as their kernels under CUDA time).
+
+    python bench/profile_gpu.py      # on a GPU box; about a minute
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_gpu import Specs, build_config, build_model  # noqa: E402
+
+
+def main() -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from app.engine.base import GenerateSpec
+    from app.engine.diffusion import DiffusionRunner
+
+    device = torch.device("cuda")
+    model = build_model(build_config(False), "cuda", torch.bfloat16, "grouped_mm")
+    runner = DiffusionRunner(model, None, device=device, max_prompt_tokens=32768, kv_entries=64, max_rows=64,
+                             cuda_graphs=True)
+    specs = Specs(262144, 300)
+    cached_reads = [specs.read() for _ in range(8)]
+    runner.read(cached_reads)
+    gen = runner.start_generation(GenerateSpec(cached_reads[0].prompt, 64, (), seed=1), 64)
+    for _ in range(3):
+        runner.step_generation(gen)
+
+    cases = {
+        "new state, batch 1": lambda: runner.read([specs.read()]),
+        "new states, batch 32": lambda: runner.read([specs.read() for _ in range(32)]),
+        "cached prompts, batch 8": lambda: runner.read(cached_reads),
+        "generation denoise pass (width 64)": lambda: runner.step_generation(gen),
+    }
+    for name, call in cases.items():
+        for _ in range(2):  # capture every bucket first
+            call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            started = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - started) * 1000
+        events = prof.key_averages()
+        cuda_total = sum(e.self_device_time_total for e in events) / 1000
+        print(f"\n### {name}: wall {wall:.1f} ms, CUDA kernels {cuda_total:.1f} ms", flush=True)
+        print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60), flush=True)
+
+
+if __name__ == "__main__":
+    main()
