@@ -9,7 +9,7 @@ transports the server offers:
   websocket  one /v1/stream session: a config message with the request, then each frame as a binary
              message; the client waits for the frame's result before sending the next one.
   rest       POST /v1/systemone per frame, multipart (`request` JSON + `frame` file), as the
-             reference system's walk page sent it (spec/behavior.md §14.2); keep-alive connection.
+             reference system's walk page sent it (docs/behavior.md §7); keep-alive connection.
 
 Both get the same JPEG bytes in the same order, interleaved frame by frame so drift hits both alike.
 Reported per transport: p50/p95 of the client-observed ms per frame, frames/s of the sequential loop,
@@ -51,7 +51,7 @@ from bench.common import (  # noqa: E402 - the repository root must be importabl
 )
 
 DANGERS = ["danger: stairs", "danger: wall ahead", "danger: object ahead", "danger: pet ahead"]
-# The walk page's request, think off (app/static/js/walk.js buildRequest; spec/behavior.md §14.2).
+# The walk page's request, think off (app/static/js/walk.js buildRequest; docs/behavior.md §7).
 WALK_REQUEST: dict[str, Any] = {
     "model": "jev-latest",
     "samples": 1,

@@ -299,9 +299,11 @@ class _Run:
         self.conditioning.prefill.append(answer_text(items, self.plan.fmt))
 
     async def run_group(self, questions: list[Question], index: int, conditioned: bool, chunked: bool) -> GroupResult:
-        # With `isolate`, an unchained canvas reads its question as if it were asked alone.
-        shown = [dataclasses.replace(q, position=1) for q in questions] if (
-            self.d.isolate and not self.plan.chained) else questions
+        # With `isolate`, an unchained canvas with its own question sheet reads its question as if it
+        # were asked alone (q1). A shared sheet lists every question under its own number, so the
+        # canvas keeps that number too.
+        alone = self.d.isolate and not self.plan.chained and self.d.chunk_prompt == "own"
+        shown = [dataclasses.replace(q, position=1) for q in questions] if alone else questions
         thought: dict | None = None
         thought_tokens = 0
         head: tuple[int, ...] = ()

@@ -73,7 +73,7 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
     on_cuda = device.type == "cuda"
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if on_cuda else torch.float32, "attn_implementation": "sdpa"}
     if on_cuda:
-        # The eager loop over experts is 13x slower on an H200 (spec/engine.md, appendix).
+        # The eager loop over experts is 13x slower on an H200 (docs/design.md §4.2).
         kwargs["experts_implementation"] = "grouped_mm"
     log.info("loading %s on %s (%s)", path, device_name, kwargs["dtype"])
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), **kwargs).to(device).eval()

@@ -1,4 +1,4 @@
-"""Stages, ask_if gating and grouping (behavior.md §8.2–§8.4)."""
+"""Stages, ask_if gating and grouping (docs/design.md §3.8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The reference's end-to-end cases (behavior.md §17) and worked examples (§8.8), against the
+"""The reference's end-to-end cases (docs/behavior.md §8) and worked examples (§7), against the
 scripted reader, with the tiny model's real tokenizer. Ids in prompts are positional (q1, q2, ...)."""
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ def test_usage_counts_one_read_of_rows_per_group(scripted, tokenizer):
     assert math.isfinite(outcome.diagnostics["timing"]["total_ms"])
 
 
-# --------------------------------------------------------------------------- images (§11, T11, T17)
+# ------------------------------------------------------------ images (docs/design.md §3.11; T11, T17)
 
 def image_inputs(n=1):
     from app.engine.base import ImageInput
@@ -455,3 +455,13 @@ def test_a_malformed_read_is_the_engines_failure(tokenizer, garbage):
 
     with pytest.raises(EngineError, match="malformed read"):
         decide(Garbage(tokenizer), questions={"n": {"type": "noul"}}, samples=1)
+
+
+def test_isolate_with_a_shared_sheet_keeps_each_question_its_number(scripted, tokenizer):
+    decide(scripted, samples=1, isolate=True, chunk_prompt="shared")
+    for spec in scripted.reads:
+        canvas = text(tokenizer, spec.canvases[0])
+        sheet = text(tokenizer, spec.prompt.ids)
+        assert "Question q1:" in sheet and "Question q3:" in sheet  # every question listed
+    canvases = sorted(text(tokenizer, spec.canvases[0])[:3] for spec in scripted.reads)
+    assert canvases == ["q1:", "q2:", "q3:"]  # and each canvas answers under its own number

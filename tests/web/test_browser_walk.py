@@ -183,7 +183,7 @@ def test_walk_renders_blocked_clear_and_failed_frames(page_server, page_factory)
     page.click("#toggle")
     stream.wait_frames(1)
 
-    # The request sent as the config: the two questions exactly as the spec lists them.
+    # The request sent as the config: the two questions exactly as docs/behavior.md §7 lists them.
     config = stream.configs[0]
     assert config["model"] == "jev-latest" and config["samples"] == 1
     assert config["state"] == {"note": "one frame from a phone's back camera, pointed the way the person is "

@@ -1,4 +1,5 @@
-"""The reference's chat form (§3.6; §17 T1, T13, T19) and raw generation, over HTTP."""
+"""The reference's chat form (docs/wire.md §8; docs/behavior.md §8: T1, T13, T19) and raw generation
+(docs/wire.md §9), over HTTP."""
 
 from __future__ import annotations
 
