@@ -127,6 +127,7 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
         max_prompt_tokens=settings.max_prompt_tokens,
         kv_cache_entries=settings.kv_cache_entries,
         max_batch_rows=settings.max_batch_rows,
+        gather_ms=settings.batch_gather_ms,
         queue_limit=max(1024, 4 * settings.max_inflight),
         served_name=served_name,
         canvas_length=settings.canvas,

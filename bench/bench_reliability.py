@@ -291,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--only", default="health,load,think,faults")
     parser.add_argument("--json", default="")
+    parser.add_argument("--gather-ms", type=float, default=None, help="BATCH_GATHER_MS for the server (default: Settings)")
+    parser.add_argument("--load", default="quiet,busy", help="which load runs: quiet, busy or both")
     args = parser.parse_args(argv)
     wanted = set(args.only.split(","))
     from app.config import Settings
@@ -300,13 +302,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     results: dict[str, Any] = {"machine": machine(), "command": command_line(), "cpus": os.cpu_count()}
     if wanted & {"health", "load", "think"}:
         settings = Settings(host="127.0.0.1", pages=False, log_level="warning")
+        if args.gather_ms is not None:
+            settings = settings.replace(batch_gather_ms=args.gather_ms)
+        results["batch_gather_ms"] = settings.batch_gather_ms
         app = create_app(settings, tiny_reader(checkpoint, settings))
         with live_server(app) as url:
             if "health" in wanted:
                 results["health"] = health_under_load(url, args.seconds)
                 print(json.dumps(results["health"]), flush=True)
             if "load" in wanted:
-                results["load"] = [load_level(url, args.seconds, busy) for busy in (False, True)]
+                runs = [part == "busy" for part in args.load.split(",")]
+                results["load"] = [load_level(url, args.seconds, busy) for busy in runs]
                 print(json.dumps(results["load"]), flush=True)
             if "think" in wanted:
                 results["think"] = think_interference(url, args.seconds)

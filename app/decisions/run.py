@@ -32,6 +32,11 @@ from app.decisions.template import JOIN, LINES, TemplateItem, Templates, answer_
 from app.engine.base import EngineError, EngineInputError, GenerateSpec, Prompt, Reader, ReadResult, ReadSpec
 
 MIN_THOUGHT_ROWS = 8
+# A decision within these bounds plans, templates and estimates in well under a millisecond each, less
+# than a trip to a worker thread, so its synchronous pieces run inline (docs/reliability.md).
+SMALL_STATE_CHARS = 8 * 1024
+SMALL_OPTIONS = 64
+SMALL_CANVASES = 16
 
 Offload = Callable[..., Awaitable[Any]]
 
@@ -58,6 +63,7 @@ class Plan:
     chained: bool  # later reads continue earlier answers (dependencies or `sequential`)
     canvases: int  # canvases read at most (every group of every stage, every draw)
     thought_tokens: int  # thought tokens written at most
+    small: bool = False  # its synchronous pieces are bounded and cheap: run them inline
 
     @property
     def cost(self) -> int:
@@ -138,7 +144,10 @@ class Decider:
                 ("think",), status=400,
             )
         canvases = group_count * decision.samples.count
-        return Plan(fmt, labels, layered, chained, canvases, thought_tokens)
+        options = sum(len(q.alternatives) for q in decision.questions)
+        small = (not decision.images and len(decision.state_text) <= SMALL_STATE_CHARS
+                 and options <= SMALL_OPTIONS and canvases <= SMALL_CANVASES)
+        return Plan(fmt, labels, layered, chained, canvases, thought_tokens, small)
 
     def labels_for(self, question: Question, fmt: str) -> tuple[str, ...]:
         count = len(question.alternatives)
@@ -176,7 +185,7 @@ class _Run:
         self.reader = decider.reader
         self.tok = decider.tokenizer
         self.prompts = decider.prompts
-        self.offload = decider.offload
+        self.offload: Offload = _inline if plan.small else decider.offload
         self.image_state = bool(decision.images)
         self.answered: dict[str, str | None] = {}  # qid -> the chosen alternative's name; None = skipped
         self.skipped: dict[str, Skip] = {}
@@ -392,6 +401,10 @@ class _Run:
             rows=canvas.rows,
             prompt_tokens=max(result.prompt_tokens for result in results),
         )
+
+
+async def _inline(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
 
 
 def check_result(spec: ReadSpec, results: Sequence[ReadResult]) -> None:

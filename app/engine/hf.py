@@ -41,6 +41,7 @@ class HFOptions:
     max_prompt_tokens: int
     kv_cache_entries: int
     max_batch_rows: int
+    gather_ms: float  # how long a read batch waits for more reads before it starts (0 = not at all)
     queue_limit: int
     served_name: str
     canvas_length: int
@@ -173,6 +174,7 @@ class HFReader:
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._busy = False  # the last read batch served several callers, or more were waiting
 
     @property
     def stats(self) -> dict[str, float]:
@@ -257,6 +259,11 @@ class HFReader:
             if isinstance(job, _GenerateJob):
                 await self._generation_turn(loop, job)
                 continue
+            if self.options.gather_ms > 0 and self._busy and job.rows < self.options.max_batch_rows:
+                # Under load, closed-loop clients otherwise split into two half-batches that take
+                # turns; a short wait lets the reads being planned right now join this batch. A lone
+                # caller (the last batch served one job) never waits.
+                await asyncio.sleep(self.options.gather_ms / 1000)
             batch = [job]
             rows = job.rows
             while self._queue and isinstance(self._queue[0], _ReadJob):
@@ -271,6 +278,7 @@ class HFReader:
             await self._read_batch(loop, batch)
 
     async def _read_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_ReadJob]) -> None:
+        self._busy = len(batch) > 1 or bool(self._queue)
         specs = [spec for job in batch for spec in job.specs]
         try:
             results = await loop.run_in_executor(self._executor, self.runner.read, specs)

@@ -14,12 +14,25 @@ from app.engine.base import ChatTokenizer
 
 
 class HFChatTokenizer(ChatTokenizer):
+    """Encoding goes straight to the Rust tokenizer (the transformers wrapper costs ~80 us a call,
+    several calls a decision): one copy reads special-token strings as special tokens (the chat
+    template's own text), another as plain text (the caller's text). Neither is ever mutated, so
+    worker threads encode concurrently. The chat template is rendered once per conversation shape
+    (roles, images, thinking) and its constant pieces' ids are kept."""
+
     def __init__(self, tokenizer: Any, *, vocab_size: int, image_token_id: int) -> None:
+        from tokenizers import Tokenizer
+
         self._tok = tokenizer
-        # A fast tokenizer's call sets its truncation and padding state on the shared Rust object,
-        # which fails ("Already borrowed") when two threads encode at once: planning runs in worker
-        # threads, so calls are serialised here.
+        serialized = tokenizer.backend_tokenizer.to_str()
+        self._special = Tokenizer.from_str(serialized)
+        self._special.encode_special_tokens = False
+        self._plain = Tokenizer.from_str(serialized)
+        self._plain.encode_special_tokens = True
+        # Rendering the template and decoding go through the transformers wrapper, which is not safe
+        # to share between threads; they are serialised here.
         self._lock = threading.RLock()
+        self._skeletons: dict[tuple, tuple[list[str | int], ...]] = {}
         self.vocab_size = vocab_size
         self.image_placeholder_id = image_token_id
         self.pad_id = self._special_id("<pad>", tokenizer.pad_token_id)
@@ -38,14 +51,10 @@ class HFChatTokenizer(ChatTokenizer):
         raise ValueError(f"the tokenizer has no {token!r} token: not a Gemma 4 chat tokenizer")
 
     def _encode_special(self, text: str) -> list[int]:
-        with self._lock:
-            return list(self._tok.encode(text, add_special_tokens=False))
+        return list(self._special.encode(text, add_special_tokens=False).ids) if text else []
 
     def encode(self, text: str) -> list[int]:
-        if not text:
-            return []
-        with self._lock:
-            return list(self._tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        return list(self._plain.encode(text, add_special_tokens=False).ids) if text else []
 
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
@@ -60,10 +69,25 @@ class HFChatTokenizer(ChatTokenizer):
     def render_messages(self, messages: Sequence[tuple[str, str]], images: int, thinking: bool) -> list[int]:
         """A conversation (role, text) up to the model's turn. The images go ahead of the text of the
         first user message. Every text is tokenized on its own, special-token strings as plain text."""
-        slots = [f"\ue000djev-{index}\ue001" for index in range(len(messages))]
+        pieces = self._skeleton(tuple(role for role, _ in messages), images, thinking)
+        ids: list[int] = []
+        for piece in pieces:
+            if isinstance(piece, int):
+                ids.extend(self.encode(messages[piece][1]))
+            else:
+                ids.extend(piece)
+        return ids
+
+    def _skeleton(self, roles: tuple[str, ...], images: int, thinking: bool) -> tuple:
+        """The rendered template for this shape: constant pieces as ids, message texts as their index."""
+        key = (roles, images, thinking)
+        found = self._skeletons.get(key)
+        if found is not None:
+            return found
+        slots = [f"\ue000djev-{index}\ue001" for index in range(len(roles))]
         rendered_messages = []
         images_placed = False
-        for (role, _), slot in zip(messages, slots):
+        for role, slot in zip(roles, slots):
             if role == "user" and not images_placed:
                 content: list[dict] = [{"type": "image"} for _ in range(images)]
                 content.append({"type": "text", "text": slot})
@@ -75,14 +99,17 @@ class HFChatTokenizer(ChatTokenizer):
             rendered = self._tok.apply_chat_template(
                 rendered_messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
             )
-        texts = {slot: text for slot, (_, text) in zip(slots, messages)}
-        ids: list[int] = []
+        index = {slot: number for number, slot in enumerate(slots)}
+        pieces: list = []
         for piece in re.split("(" + "|".join(re.escape(slot) for slot in slots) + ")", rendered):
-            if piece in texts:
-                ids.extend(self.encode(texts[piece]))
+            if piece in index:
+                pieces.append(index[piece])
             elif piece:
-                ids.extend(self._encode_special(piece))
-        found = ids.count(self.image_placeholder_id)
-        if found != images:
-            raise ValueError(f"the chat template rendered {found} image tokens for {images} images")
-        return ids
+                pieces.append(tuple(self._encode_special(piece)))
+        found_images = sum(piece.count(self.image_placeholder_id) for piece in pieces if isinstance(piece, tuple))
+        if found_images != images:
+            raise ValueError(f"the chat template rendered {found_images} image tokens for {images} images")
+        skeleton = tuple(pieces)
+        if len(self._skeletons) < 256:  # shapes are few; a bound keeps odd callers from growing it
+            self._skeletons[key] = skeleton
+        return skeleton

@@ -215,6 +215,13 @@ class RawBody:
     content_type: str
     content_encoding: str
 
+    @property
+    def inline_size(self) -> int:
+        """The body's size as work: compressed bodies and multipart forms count as unbounded."""
+        plain = self.content_encoding.strip().lower() in ("", "identity")
+        form = self.content_type.split(";")[0].strip().lower() == "multipart/form-data"
+        return len(self.data) if plain and not form else 1 << 62
+
 
 async def read_raw(request: Request, limit: int) -> RawBody:
     data = await read_body(request, limit)

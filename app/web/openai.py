@@ -39,7 +39,7 @@ async def chat_completions(request: Request) -> Response:
     svc = services(request)
     try:
         raw = await read_raw(request, svc.settings.max_body_bytes)
-        prepared = await svc.offload(prepare, svc, raw, True)
+        prepared = await svc.prepare(prepare, raw.inline_size, svc, raw, True)
         outcome = await decide(svc, prepared, "structured", request.receive)
     except Exception as exc:  # noqa: BLE001 - every failure goes through the one map, refusals as 400
         return error_reply(exc, refusal_status=400).response()

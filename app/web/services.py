@@ -27,6 +27,10 @@ T = TypeVar("T")
 # work, so more threads than this buys nothing on a small machine; the bound is what keeps a burst
 # of 32 MiB bodies from taking every core from the engine thread.
 WORKER_THREADS = 4
+# A body up to this size (uncompressed, not multipart) is parsed, validated and planned on the event
+# loop: the work is bounded (about a millisecond, measured in docs/reliability.md) and shorter than the
+# two thread hops it would otherwise take. Larger bodies, compressed ones and forms go to the pool.
+INLINE_BODY_BYTES = 8 * 1024
 
 
 @dataclass
@@ -55,6 +59,13 @@ class Services:
             admission=Admission(settings.max_inflight, settings.max_inflight_cost),
             workers=workers,
         )
+
+    async def prepare(self, fn: Callable[..., T], body_bytes: int, *args: Any) -> T:
+        """`fn(*args)` for a request body of `body_bytes`: inline for a small plain body (its work is
+        bounded and shorter than a trip to the pool), in the worker pool otherwise."""
+        if body_bytes <= INLINE_BODY_BYTES:
+            return fn(*args)
+        return await self.offload(fn, *args)
 
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking `fn(*args)` in the worker pool. Cancelling the caller waits for the thread

@@ -5,6 +5,7 @@ generation, cancelled work is never run, failures reach exactly the callers they
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -72,7 +73,7 @@ class FakeRunner:
 
 
 def make_reader(runner: FakeRunner, max_rows: int = 64) -> HFReader:
-    options = HFOptions(device="cpu", max_prompt_tokens=100, kv_cache_entries=0, max_batch_rows=max_rows,
+    options = HFOptions(device="cpu", max_prompt_tokens=100, kv_cache_entries=0, max_batch_rows=max_rows, gather_ms=0,
                         queue_limit=64, served_name="fake", canvas_length=16, tiny=True, torch_threads=0,
                         cuda_graphs=False)
     info = ReaderInfo(model="fake", engine="hf", device="cpu", tiny=True, canvas_length=16)
@@ -192,3 +193,29 @@ def test_an_unreadable_read_fails_alone_and_a_crash_fails_its_batch():
         await reader.stop()
 
     run(scenario())
+
+
+def test_under_load_a_batch_gathers_reads_that_arrive_just_after_it_is_formed():
+    runner = FakeRunner(delay=0.05)
+    reader = make_reader(runner)
+    reader.options = dataclasses.replace(reader.options, gather_ms=40)
+
+    async def scenario():
+        await reader.start()
+        first = [asyncio.create_task(reader.read([spec(tag)])) for tag in (1, 2)]  # a busy batch
+        await asyncio.gather(*first)
+        late = [asyncio.create_task(reader.read([spec(3)]))]
+        await asyncio.sleep(0.01)  # arrives inside the gather window of the batch spec 3 starts
+        late.append(asyncio.create_task(reader.read([spec(4)])))
+        await asyncio.gather(*late)
+        alone_started = time.perf_counter()
+        await reader.read([spec(5)])  # the last batch served two callers: still gathers once
+        await reader.read([spec(6)])  # a lone caller after a lone batch: no wait
+        lone = time.perf_counter() - alone_started
+        await reader.stop()
+        return lone
+
+    lone = run(scenario())
+    batches = [tags for kind, tags in runner.log if kind == "read"]
+    assert batches[:2] == [[1, 2], [3, 4]]
+    assert lone < 0.05 * 2 + 0.04 + 0.03  # two reads, at most one gather
