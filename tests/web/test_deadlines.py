@@ -135,7 +135,10 @@ def test_health_shows_the_cost_while_a_decision_runs(tokenizer):
         assert httpx.get(url + "/health").json()["in_flight_cost"] == 0
 
 
-def test_parsing_and_validation_run_in_a_worker_thread(tokenizer, monkeypatch):
+@pytest.mark.parametrize("state_bytes, in_worker", [(16 * 1024, True), (10, False)])
+def test_parsing_and_validation_run_in_a_worker_thread(tokenizer, monkeypatch, state_bytes, in_worker):
+    """A body past INLINE_BODY_BYTES is parsed and validated in the worker pool; a small plain one,
+    whose work is bounded, on the loop (cheaper than the hop)."""
     import app.web.body as body_module
     import app.web.work as work_module
 
@@ -162,6 +165,10 @@ def test_parsing_and_validation_run_in_a_worker_thread(tokenizer, monkeypatch):
     app = create_app(Settings(), ScriptedReader(tokenizer), extra_routes=[Route("/debug/thread", loop_thread)])
     with TestClient(app) as client:
         loop = client.get("/debug/thread").json()["thread"]
-        assert client.post("/v1/systemone", json=TICKET).status_code == 200
+        body = {**TICKET, "state": "x" * state_bytes}
+        assert client.post("/v1/systemone", json=body).status_code == 200
     assert set(threads) == {"json", "decision"}
-    assert loop not in threads.values(), (loop, threads)
+    if in_worker:
+        assert loop not in threads.values(), (loop, threads)
+    else:
+        assert set(threads.values()) == {loop}, (loop, threads)
