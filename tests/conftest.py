@@ -58,3 +58,21 @@ live_server = serve_in_background
 @pytest.fixture
 def settings() -> Settings:
     return Settings()
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging():
+    """`djev serve`/`selftest` called in a test configure the root logger with pytest's captured
+    stderr, which is closed after the test: put the root logger back as it was."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for handler in root.handlers[:]:
+        if handler not in handlers:
+            root.removeHandler(handler)
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
