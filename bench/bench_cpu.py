@@ -228,15 +228,17 @@ async def interleaved(paths: Paths, condition: str, readers: dict[str, Any], rea
 
 # ---------------------------------------------------------------------------------------- (b)
 
-def load_level(url: str, clients: int, seconds: float, tag: str) -> dict[str, Any]:
+def load_level(url: str, clients: int, seconds: float, tag: str,
+               body: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
     """One level of the curve, in the load-generator process: `clients` closed loops for `seconds`.
 
     A client sends its next request as soon as the last one returns; requests still in flight at the
     deadline finish and count. Every request has its own state, so no prompt is cached."""
-    return asyncio.run(_load_level(url, clients, seconds, tag))
+    return asyncio.run(_load_level(url, clients, seconds, tag, body or ticket_body))
 
 
-async def _load_level(url: str, clients: int, seconds: float, tag: str) -> dict[str, Any]:
+async def _load_level(url: str, clients: int, seconds: float, tag: str,
+                      body: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
     import httpx
 
     latencies: list[float] = []
@@ -249,11 +251,11 @@ async def _load_level(url: str, clients: int, seconds: float, tag: str) -> dict[
         async def closed_loop(client_no: int) -> None:
             sent = 0
             while time.perf_counter() < deadline:
-                body = ticket_body(f"{tag}-{client_no}-{sent}")
+                request = body(f"{tag}-{client_no}-{sent}")
                 sent += 1
                 t0 = time.perf_counter()
                 try:
-                    response = await client.post("/v1/systemone", json=body)
+                    response = await client.post("/v1/systemone", json=request)
                     problem = None if response.status_code == 200 else f"HTTP {response.status_code}"
                 except httpx.HTTPError as exc:
                     problem = type(exc).__name__

@@ -34,7 +34,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, fmt, header, machine, markdown_table, percentile, tiny_checkpoint, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    REPO, fmt, header, machine, markdown_table, percentile, tiny_checkpoint, vllm_cpu_env, write_json,
+)
 
 QUESTIONS = {
     "urgent": {"type": "noul", "instructions": "Does the customer need a reply within the hour?"},
@@ -42,9 +44,7 @@ QUESTIONS = {
              "criteria": {"billing": None, "outage": "service down", "feature": None}},
     "tone": {"type": "score", "instructions": "How angry is the customer?", "criteria": ["calm", "annoyed", "furious"]},
 }
-# vLLM's CPU build as the tests run it (tests/vllm_support.py says why each is set).
-VLLM_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TORCHDYNAMO_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
+VLLM_ENV = vllm_cpu_env()  # vLLM's CPU build as the tests run it (scripts/vllm_cpu/cpu.env)
 _unique = itertools.count()
 
 

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_cpu import load_level as bench_cpu_load  # noqa: E402
 from bench.common import (  # noqa: E402
     command_line,
     fmt,
@@ -71,38 +72,9 @@ def rss_mib() -> float:
 
 # ---------------------------------------------------------------------------------------- load processes
 
-def closed_loop(url: str, clients: int, seconds: float, tag: str, body: str = "ticket") -> dict[str, Any]:
-    return asyncio.run(_closed_loop(url, clients, seconds, tag, body))
-
-
-async def _closed_loop(url: str, clients: int, seconds: float, tag: str, body: str) -> dict[str, Any]:
-    import httpx
-
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=HTTP_TIMEOUT_S) as client:
-        started = time.perf_counter()
-        deadline = started + seconds
-
-        async def one_client(number: int) -> None:
-            sent = 0
-            while time.perf_counter() < deadline:
-                sent += 1
-                t0 = time.perf_counter()
-                try:
-                    response = await client.post("/v1/systemone", json=ticket(f"{tag}-{number}-{sent}"))
-                    problem = None if response.status_code == 200 else f"HTTP {response.status_code}"
-                except httpx.HTTPError as exc:
-                    problem = type(exc).__name__
-                if problem is None:
-                    latencies.append(time.perf_counter() - t0)
-                else:
-                    errors[problem] = errors.get(problem, 0) + 1
-
-        await asyncio.gather(*(one_client(n) for n in range(clients)))
-        elapsed = time.perf_counter() - started
-    return {"latencies": latencies, "errors": errors, "elapsed_s": elapsed}
+def closed_loop(url: str, clients: int, seconds: float, tag: str) -> dict[str, Any]:
+    """`clients` closed loops of two-question decisions, each with its own state (bench_cpu's loop)."""
+    return bench_cpu_load(url, clients, seconds, tag, ticket)
 
 
 def poll_health(url: str, seconds: float, every: float = 0.02) -> list[float]:

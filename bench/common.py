@@ -30,6 +30,17 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "djev-bench"
 
 
+def vllm_cpu_env() -> dict[str, str]:
+    """The environment vLLM's CPU build runs DiffusionGemma with (scripts/vllm_cpu/cpu.env)."""
+    env = {}
+    for line in (REPO / "scripts" / "vllm_cpu" / "cpu.env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key.strip()] = value.strip()
+    return env
+
+
 # ---------------------------------------------------------------------------------------- numbers
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from app.server import free_port
+from bench.common import vllm_cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path(os.environ.get("DJEV_VLLM_VENV", REPO / ".venv-vllm")) / "bin" / "python"
@@ -40,17 +41,8 @@ TICKET = {
 }
 
 
-# vLLM's CPU build as it runs DiffusionGemma here: the V2 model runner (through the Triton
-# interpreter shim .venv-vllm installs), the engine in the process that starts it, 1 GiB of KV
-# cache, no thread pinning on a shared machine, no torch.compile (saves ~35 s per process).
-VLLM_ENV = {
-    "VLLM_USE_V2_MODEL_RUNNER": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "TORCHDYNAMO_DISABLE": "1",
-    "HF_HUB_OFFLINE": "1",
-}
+# vLLM's CPU build as it runs DiffusionGemma here (one place: scripts/vllm_cpu/cpu.env).
+VLLM_ENV = vllm_cpu_env()
 
 
 # A server to start: argv, its health URL, its log file, environment beyond VLLM_ENV.
