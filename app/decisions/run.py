@@ -110,10 +110,6 @@ class Decider:
             plan = await self.offload(self.plan, decision)
         return await _Run(self, decision, plan).run()
 
-    def cost(self, decision: Decision) -> int:
-        """Canvases plus thought tokens the decision may cost (synchronous: call it off the loop)."""
-        return self.plan(decision).cost
-
     # ------------------------------------------------------------------ planning (synchronous)
 
     def plan(self, decision: Decision) -> Plan:
