@@ -78,6 +78,9 @@ class Settings:
     kv_cache_entries: int = field(default=64, metadata=_meta("KV_CACHE_ENTRIES", "encoded prompts kept for reuse"))
     cuda_graphs: bool = field(default=True, metadata=_meta(
         "CUDA_GRAPHS", "1 replays decoder passes as CUDA graphs (CUDA only; 0 = eager)"))
+    torch_compile: bool = field(default=True, metadata=_meta(
+        "TORCH_COMPILE", "hf: 1 compiles the layers' norms, MLP, router and experts with torch.compile under the "
+        "CUDA graphs, at start (CUDA only; about 25 s; 0 = eager kernels)"))
     torch_threads: int = field(default=0, metadata=_meta("TORCH_THREADS", "CPU threads torch may use; 0 = torch's default"))
     pages: bool = field(default=True, metadata=_meta("TEST_PAGE", "1 serves the browser pages (/, /walk, /cube)"))
     log_level: str = field(default="info", metadata=_meta("LOG_LEVEL", "debug, info, warning"))

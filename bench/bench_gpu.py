@@ -135,8 +135,11 @@ def read_all(runner: Any, specs: list[Any]) -> None:
 
 
 def timed(call: Callable[[], Any], warmup: int, reps: int, runner: Any, sync: Callable[[], None]) -> dict[str, Any]:
+    warm_started = time.perf_counter()
     for _ in range(warmup):
         call()
+    sync()
+    warmup_s = time.perf_counter() - warm_started  # includes graph captures (and compiles, mode "compiled")
     seconds: list[float] = []
     before = dict(runner.stats)
     for _ in range(reps):
@@ -146,7 +149,7 @@ def timed(call: Callable[[], Any], warmup: int, reps: int, runner: Any, sync: Ca
         sync()
         seconds.append(time.perf_counter() - started)
     delta = {key: value - before.get(key, 0) for key, value in runner.stats.items()}
-    return {**latency_summary(seconds),
+    return {**latency_summary(seconds), "warmup_s": round(warmup_s, 1),
             "encoder_passes_per_call": delta.get("encoder_passes", 0) / reps,
             "decoder_passes_per_call": delta.get("decoder_passes", 0) / reps}
 
@@ -185,7 +188,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     cases: list[dict[str, Any]] = []
     memory: dict[str, Any] = {}
     for mode in args.modes:
-        graphs = mode == "graphs"
+        graphs = mode in ("graphs", "compiled")
+        if mode == "compiled":  # in place, so it runs last (parse_args orders the modes)
+            from app.engine.compiled import compile_parts
+
+            compile_parts(model)
         uncached, cached = runner(0, graphs), runner(8, graphs)  # one model; the prompt KV cache off, and on
 
         def case(name: str, reads: int, canvases: int, run: Any, call: Callable[[], Any],
@@ -194,7 +201,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             result.update(case=f"{name} [{mode}]", reads=reads, canvases=canvases,
                           reads_per_s=reads / (result["p50_ms"] / 1000), naive_ms=list(naive_ms))
             cases.append(result)
-            print(f"  {name} [{mode}]: median {result['p50_ms']:.1f} ms", flush=True)
+            print(f"  {name} [{mode}]: median {result['p50_ms']:.1f} ms (warm-up {result['warmup_s']} s)", flush=True)
 
         eager_ms = naive.get("full_read_eager", {})
         static_ms = naive.get("full_read_static_graph", {})
@@ -276,7 +283,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=15, help="timed calls per case (default 15)")
     parser.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--modes", default=None,
-                        help="decoder passes: eager, graphs (CUDA graph replay) or both, comma-separated "
+                        help="eager, graphs (CUDA graph replay), compiled (graphs over torch.compile'd layer "
+                             "bodies; compiles the model in place, so it runs last), comma-separated "
                              "(default: eager,graphs on CUDA, eager on CPU)")
     parser.add_argument("--out", default=None, help="JSON results file (default: $OUT/bench_gpu.json when $OUT is set)")
     parser.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive baseline")
@@ -289,9 +297,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.experts = "grouped_mm" if args.device.startswith("cuda") else "default"
     if args.modes is None:
         args.modes = "eager,graphs" if args.device.startswith("cuda") else "eager"
+    order = ("eager", "graphs", "compiled")
     args.modes = [mode.strip() for mode in args.modes.split(",")]
-    if any(mode not in ("eager", "graphs") for mode in args.modes):
-        parser.error("--modes takes eager and/or graphs")
+    if any(mode not in order for mode in args.modes):
+        parser.error("--modes takes eager, graphs and/or compiled")
+    args.modes.sort(key=order.index)
     if not args.tiny and not args.device.startswith("cuda"):
         parser.error("the full-size model needs a GPU (about 50 GiB in bf16); use --tiny to check the script on a CPU")
     if args.prompt_tokens < 1 or args.warmup < 0 or args.reps < 1:

@@ -119,7 +119,7 @@ def build_reader(args: argparse.Namespace) -> Any:
     on_cuda = device.type == "cuda"
     experts = "grouped_mm" if on_cuda else None
     model = build_model(config, args.device, torch.bfloat16 if on_cuda else torch.float32, experts)
-    settings = Settings(device=args.device)
+    settings = Settings(device=args.device, torch_compile=args.compile)
     options = hf_options(settings, "random-26B-A4B" if not args.tiny else "tiny", tiny=args.tiny)
     runner = DiffusionRunner(model, image_processor, device=device, max_prompt_tokens=settings.max_prompt_tokens,
                              kv_entries=settings.kv_cache_entries, max_rows=settings.max_batch_rows,
@@ -236,6 +236,29 @@ def stat_delta(reader: Any, before: dict, name: str) -> float:
     return reader.stats.get(name, 0) - before.get(name, 0)
 
 
+async def gather_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The batching loop's gather window (BATCH_GATHER_MS) chosen by measurement: the closed loop at
+    `--gather-levels` clients for each window of `--gather-ms`; the reader's own window is restored."""
+    import dataclasses
+
+    points: list[dict[str, Any]] = []
+    configured = reader.options
+    try:
+        for gather_ms in args.gather_ms:
+            reader.options = dataclasses.replace(configured, gather_ms=gather_ms)
+            for clients in args.gather_levels:
+                await closed_loop(decider, reader, clients, min(2.0, args.seconds), seed=clients + 2000)
+                point = {"gather_ms": gather_ms, **await closed_loop(decider, reader, clients, args.seconds,
+                                                                      seed=clients + 3000)}
+                points.append(point)
+                print(f"  gather {gather_ms:g} ms, {clients} clients: {point['req_per_s']:.2f} req/s, "
+                      f"p50 {point['p50_ms']:.0f} ms, p95 {point['p95_ms']:.0f} ms, "
+                      f"{point['canvases_per_pass']:.1f} canvases a pass", flush=True)
+    finally:
+        reader.options = configured
+    return points
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -259,6 +282,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 except Exception as exc:  # noqa: BLE001 - e.g. out of memory at 32k: reported, not fatal
                     print(f"  naive prompt {n}: failed: {exc!r}"[:300], flush=True)
                     torch.cuda.empty_cache()
+    if args.compile:  # after the naive baseline, which is the library's plain path
+        from app.engine.compiled import compile_parts
+
+        compile_parts(model)
     await reader.start()
     decider = Decider(reader, settings.read_settings)
     rng = random.Random(0)
@@ -278,6 +305,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             results["curve"].append(point)
             print(f"  {clients} clients: {point['req_per_s']:.2f} req/s, p50 {point['p50_ms']:.0f} ms, "
                   f"p95 {point['p95_ms']:.0f} ms", flush=True)
+
+        results["gather"] = await gather_sweep(decider, reader, args)
 
         pictures = [(ImageInput(data, "image/jpeg", f"frame {i}"),) for i, data in enumerate(frames(args.reps + 2))]
         clear = {"state": WALK_STATE, "samples": 1, "questions": {"ahead": AHEAD}}
@@ -418,6 +447,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
         markdown_table(["clients", "requests", "req/s", "p50 ms", "p95 ms", "canvases per decoder pass",
                         "naive reads/s (one eager batch of min(clients, 32))", "engine / naive"], curve),
     ]
+    if results.get("gather"):
+        lines += ["", markdown_table(["gather ms (BATCH_GATHER_MS)", "clients", "req/s", "p50 ms", "p95 ms",
+                                      "canvases per decoder pass"],
+                                     [[fmt(p["gather_ms"], 0), p["clients"], fmt(p["req_per_s"], 2), fmt(p["p50_ms"], 0),
+                                       fmt(p["p95_ms"], 0), fmt(p["canvases_per_pass"], 1)] for p in results["gather"]])]
     grid = results.get("grids")
     if grid:
         naive_prompts = {300: eager.get(1), **(results.get("naive_prompts") or {})}
@@ -448,6 +482,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-grids", dest="grids", action="store_false", help="skip the cost-growth grids (E)")
     parser.add_argument("--grid-prompts", default="300,2000,8000,32000", help="prompt sizes of grid (E), in tokens")
     parser.add_argument("--eager", action="store_true", help="decoder passes without CUDA graphs (CUDA_GRAPHS=0)")
+    parser.add_argument("--gather-ms", default="", help="gather windows to sweep, ms, e.g. 0,2,5,10,20 (default: none)")
+    parser.add_argument("--gather-levels", default="8,32", help="client counts of the gather sweep (default 8,32)")
+    parser.add_argument("--compile", action="store_true", help="compile the layer bodies (TORCH_COMPILE=1)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=None, help="JSON file (default: $OUT/bench_gpu_decisions.json when $OUT is set)")
@@ -457,6 +494,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.levels = [int(level) for level in args.levels.split(",")]
     args.think = [int(t) for t in args.think.split(",") if t.strip()]
+    args.gather_ms = [float(t) for t in args.gather_ms.split(",") if t.strip()]
+    args.gather_levels = [int(t) for t in args.gather_levels.split(",") if t.strip()]
     args.grid_prompts = [int(t) for t in args.grid_prompts.split(",") if t.strip()]
     if not args.tiny and not args.device.startswith("cuda"):
         parser.error("the full-size model needs a GPU; use --tiny to check the script on a CPU")

@@ -5,7 +5,7 @@ cached-prompt reads, and one generation denoise pass; prints, per case, wall tim
 totals and the CUDA kernels that take the most time. With graphs the kernels run inside replays, so
 the table names what the graph replays (graph replays show as their kernels under CUDA time).
 
-    python bench/profile_gpu.py      # on a GPU box; about a minute
+    python bench/profile_gpu.py [--compile]   # on a GPU box; about a minute (--compile: TORCH_COMPILE's parts)
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ def main() -> None:
 
     device = torch.device("cuda")
     model = build_model(build_config(False), "cuda", torch.bfloat16, "grouped_mm")
+    if "--compile" in sys.argv[1:]:
+        from app.engine.compiled import compile_parts
+
+        compile_parts(model)
     runner = DiffusionRunner(model, None, device=device, max_prompt_tokens=32768, kv_entries=64, max_rows=64,
                              cuda_graphs=True)
     specs = Specs(262144, 300)
@@ -40,6 +44,7 @@ def main() -> None:
     cases = {
         "new state, batch 1": lambda: runner.read([specs.read()]),
         "new states, batch 32": lambda: runner.read([specs.read() for _ in range(32)]),
+        "cached prompt, batch 1 (same state)": lambda: runner.read(cached_reads[:1]),
         "cached prompts, batch 8": lambda: runner.read(cached_reads),
         "generation denoise pass (width 64)": lambda: runner.step_generation(gen),
     }

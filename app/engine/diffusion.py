@@ -2,7 +2,9 @@
 DiffusionGemmaForBlockDiffusion, with prompt encoding (app/engine/prompts.py) and block-diffusion
 generation (app/engine/generation.py) mixed in.
 
-Everything here runs on the engine's single worker thread; nothing is shared with the event loop.
+Everything here runs on the engine's single worker thread, except `preprocess` (image decoding and
+the image processor, app/engine/prompts.py), which HFReader runs in worker threads before queueing,
+and `images_cached`, which only looks into the LRUs.
 
 A read: the prompt is encoded once into a KV cache (causal encoder pass, replayed as a CUDA graph
 where a bucket fits; kept in a bounded LRU keyed by prompt ids and image digests), then every canvas
@@ -22,7 +24,12 @@ import torch.nn.functional as F
 
 from app.engine.base import ReadResult, ReadSpec, SlotRead
 from app.engine.generation import Generation, GenerationMixin  # noqa: F401 - Generation is part of the runner's API
-from app.engine.prompts import EncodedPrompt, PromptCache, PromptEncodingMixin  # noqa: F401 - EncodedPrompt re-exported
+from app.engine.prompts import (  # noqa: F401 - EncodedPrompt re-exported
+    EncodedPrompt,
+    Preprocessed,
+    PromptCache,
+    PromptEncodingMixin,
+)
 from app.engine.sampler import (  # noqa: F401 - re-exported: the sampler's pieces, as tests name them
     entropy_bound_accept,
     gumbel_argmax,
@@ -153,11 +160,13 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
     # ------------------------------------------------------------------ reads
 
     @torch.no_grad()
-    def read(self, specs: Sequence[ReadSpec]) -> list[ReadResult | Exception]:
-        """Run a batch of reads; a spec whose prompt cannot be read gets its exception instead."""
+    def read(self, specs: Sequence[ReadSpec], preprocessed: Preprocessed | None = None) -> list[ReadResult | Exception]:
+        """Run a batch of reads; a spec whose prompt cannot be read gets its exception instead.
+        `preprocessed` holds images already decoded and processed off this thread (HFReader);
+        images missing there are preprocessed here."""
         results: list[ReadResult | Exception | None] = [None] * len(specs)
         encoded: dict[int, EncodedPrompt] = {}
-        for index, outcome in enumerate(self.encode_many([spec.prompt for spec in specs])):
+        for index, outcome in enumerate(self.encode_many([spec.prompt for spec in specs], preprocessed)):
             if isinstance(outcome, Exception):
                 results[index] = outcome
             else:

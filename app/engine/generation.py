@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from app.engine.base import EngineInputError, GenerateChunk, GenerateResult, GenerateSpec
-from app.engine.prompts import EncodedPrompt
+from app.engine.prompts import EncodedPrompt, Preprocessed
 from app.engine.sampler import sample_step, temperature_at
 
 
@@ -38,16 +38,19 @@ class GenerationMixin:
     stats: Any
 
     @torch.no_grad()
-    def start_generation(self, spec: GenerateSpec, canvas_length: int) -> "Generation":
+    def start_generation(
+        self, spec: GenerateSpec, canvas_length: int, preprocessed: Preprocessed | None = None,
+    ) -> "Generation":
         """A generation ready to step: its prompt encoded into a KV cache of its own (one encoder
-        pass; generation extends that cache block by block, so it never shares the prompt LRU)."""
+        pass; generation extends that cache block by block, so it never shares the prompt LRU).
+        `preprocessed`: the prompt's images, already decoded off this thread (HFReader)."""
         if not (math.isfinite(spec.temperature) and spec.temperature >= 0.0):
             raise EngineInputError(f"temperature must be a number >= 0, got {spec.temperature}", param="temperature")
         if not (math.isfinite(spec.top_p) and 0.0 < spec.top_p <= 1.0):
             raise EngineInputError(f"top_p must be in (0, 1], got {spec.top_p}", param="top_p")
         if spec.max_tokens < 0:
             raise EngineInputError(f"max_tokens must be >= 0, got {spec.max_tokens}", param="max_tokens")
-        cache, length = self._encode_into_cache(spec.prompt)
+        cache, length = self._encode_into_cache(spec.prompt, preprocessed)
         # Greedy decoding owes nothing to the seed: its starting canvas comes from a fixed one.
         generator = self._generator(spec.seed if spec.temperature > 0.0 else 0)
         return Generation(spec=spec, canvas_length=canvas_length, cache=cache, length=length,

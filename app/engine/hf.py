@@ -5,17 +5,23 @@ is waiting (reads up to a row budget, or one pass of a generation), runs it on t
 thread, and hands results back. Reads that arrive together share one decoder pass (see
 `diffusion.py`), so N concurrent decisions cost far fewer model calls than N. The loop keeps the
 scheduling contract of `app/engine/base.py`.
+
+Images are decoded and run through the image processor before their read or generation is queued, in
+a small pool of image workers (tens of ms a camera frame that would otherwise hold the engine thread,
+and every reader behind it); the result rides with the job, so the engine thread only uploads pixels
+and runs the vision tower, and nothing outlives the job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from app.engine.base import (
     EngineError,
@@ -24,11 +30,19 @@ from app.engine.base import (
     GenerateChunk,
     GenerateResult,
     GenerateSpec,
+    Prompt,
     ReaderInfo,
     ReadResult,
     ReadSpec,
     collect,
 )
+
+if TYPE_CHECKING:
+    from app.engine.prompts import ProcessedImages
+
+# What a job carries to the engine thread: its preprocessed images by their digests (see
+# app/engine/prompts.py `Preprocessed`).
+_Images = dict[tuple, "ProcessedImages | EngineInputError"]
 
 log = logging.getLogger("djev.engine")
 
@@ -48,6 +62,7 @@ class HFOptions:
     tiny: bool
     torch_threads: int  # 0 = torch's default
     cuda_graphs: bool  # replay decoder passes as CUDA graphs (CUDA only)
+    torch_compile: bool = False  # compile the layers' parts, CUDA only (app/engine/compiled.py)
 
 
 def pick_device(requested: str) -> str:
@@ -78,6 +93,11 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
         kwargs["experts_implementation"] = "grouped_mm"
     log.info("loading %s on %s (%s)", path, device_name, kwargs["dtype"])
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), **kwargs).to(device).eval()
+    compiled = options.torch_compile and on_cuda
+    if compiled:
+        from app.engine.compiled import compile_parts
+
+        compile_parts(model)
     hf_tokenizer = AutoTokenizer.from_pretrained(str(path))
     try:
         image_processor = AutoImageProcessor.from_pretrained(str(path), backend="pil")
@@ -97,6 +117,11 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
         generation=_generation_settings(model),
         cuda_graphs=options.cuda_graphs,
     )
+    if compiled:
+        from app.engine.compiled import warm_up
+
+        log.info("compiling the model's parts before the first request (TORCH_COMPILE) ...")
+        log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
     device_label = torch.cuda.get_device_name(device) if on_cuda else "cpu"
     info = ReaderInfo(
         model=options.served_name or path.name,
@@ -123,13 +148,18 @@ def _generation_settings(model: Any) -> dict:
     return settings
 
 
-class _ReadJob:
-    """Reads of one caller, waiting for a batch."""
+def _cache_keys(prompts: Sequence[Prompt]) -> list[tuple]:
+    return [prompt.cache_key for prompt in prompts]
 
-    def __init__(self, specs: list[ReadSpec], future: asyncio.Future) -> None:
+
+class _ReadJob:
+    """Reads of one caller, waiting for a batch, with their images preprocessed."""
+
+    def __init__(self, specs: list[ReadSpec], future: asyncio.Future, images: _Images) -> None:
         self.specs = specs
         self.future = future
         self.rows = sum(len(spec.canvases) for spec in specs)
+        self.images = images
 
     @property
     def dropped(self) -> bool:
@@ -139,8 +169,9 @@ class _ReadJob:
 class _GenerateJob:
     """A generation that takes one model pass per turn, then goes back to the end of the queue."""
 
-    def __init__(self, spec: GenerateSpec) -> None:
+    def __init__(self, spec: GenerateSpec, images: _Images) -> None:
         self.spec = spec
+        self.images = images  # for its first pass (the prompt's encoding)
         self.chunks: asyncio.Queue[GenerateChunk | BaseException] = asyncio.Queue()
         self.state: Any = None  # the runner's Generation, once its prompt is encoded
         self.cancelled = False
@@ -162,7 +193,14 @@ class HFReader:
     generation runs ONE model pass per turn and is then queued again at the end, so a read waits at
     most one pass behind any generation. Work whose caller went away (its awaiting task cancelled)
     is dropped when its turn comes, and a running generation stops at its next pass.
+
+    Images the engine thread would have to decode are preprocessed in `image_workers` threads before
+    the job is queued. At most `image_budget` preprocessed images (a few MiB each) wait in the queue;
+    past that, a job goes without and the engine thread decodes its images as it always could.
     """
+
+    image_workers = min(4, os.cpu_count() or 1)
+    image_budget = 64
 
     def __init__(self, runner: Any, tokenizer: Any, info: ReaderInfo, options: HFOptions) -> None:
         self.runner = runner
@@ -175,6 +213,8 @@ class HFReader:
         self._executor: ThreadPoolExecutor | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._busy = False  # the last read batch served several callers, or more were waiting
+        self._image_executor: ThreadPoolExecutor | None = None
+        self._images_held = 0  # preprocessed images reserved or riding with queued jobs
 
     @property
     def stats(self) -> dict[str, float]:
@@ -192,8 +232,16 @@ class HFReader:
             return
         self._event_loop = loop
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="djev-engine")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="djev-engine",
+                                            initializer=self._setup_engine_thread)
+        self._image_executor = ThreadPoolExecutor(max_workers=self.image_workers, thread_name_prefix="djev-images")
         self._task = asyncio.create_task(self._loop(), name="djev-batching-loop")
+
+    def _setup_engine_thread(self) -> None:
+        if self.options.torch_compile and self.runner.device.type == "cuda":  # torch.compile's limits are per thread
+            from app.engine.compiled import configure_thread
+
+            configure_thread()
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -205,17 +253,24 @@ class HFReader:
             except asyncio.CancelledError:
                 pass
         while self._queue:
-            self._fail(self._queue.popleft(), EngineUnavailable("the engine stopped"))
+            job = self._queue.popleft()
+            self._release(job)
+            self._fail(job, EngineUnavailable("the engine stopped"))
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        images, self._image_executor = self._image_executor, None
+        if images is not None:
+            images.shutdown(wait=False)  # a frame still decoding finishes; its caller then gets EngineUnavailable
 
     # ------------------------------------------------------------------ callers
 
     async def read(self, specs: Sequence[ReadSpec]) -> list[ReadResult]:
         if not specs:
             return []
-        job = _ReadJob(list(specs), asyncio.get_running_loop().create_future())
+        self._admit()
+        images = await self._preprocess([spec.prompt for spec in specs], reuse=True)
+        job = _ReadJob(list(specs), asyncio.get_running_loop().create_future(), images)
         self._submit(job)
         return await job.future
 
@@ -223,7 +278,8 @@ class HFReader:
         return await collect(self.stream(spec))
 
     async def stream(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
-        job = _GenerateJob(spec)
+        self._admit()
+        job = _GenerateJob(spec, await self._preprocess([spec.prompt], reuse=False))
         self._submit(job)
         try:
             while True:
@@ -236,13 +292,73 @@ class HFReader:
         finally:
             job.cancelled = True  # the caller stopped listening: the loop drops it at its next turn
 
-    def _submit(self, job: _Job) -> None:
+    def _admit(self) -> None:
         if self._wakeup is None or not self.ready:
             raise EngineUnavailable("the engine is not running")
         if len(self._queue) >= self.options.queue_limit:
             raise EngineUnavailable("the engine queue is full")
+
+    def _submit(self, job: _Job) -> None:
+        try:
+            self._admit()  # again: the engine may have stopped, or the queue filled, while images decoded
+        except EngineUnavailable:
+            self._release(job)
+            raise
+        assert self._wakeup is not None
         self._queue.append(job)
         self._wakeup.set()
+
+    # ------------------------------------------------------------------ images
+
+    async def _preprocess(self, prompts: Sequence[Prompt], *, reuse: bool) -> _Images:
+        """The images of `prompts` that the engine thread would otherwise decode (not already known
+        to its LRUs when the job may `reuse` them), decoded and processed in the image workers, once
+        per distinct set, within `image_budget`. A set that cannot be read maps to its
+        EngineInputError, raised on the engine thread where inline decoding would raise it, so a
+        bad image fails exactly the reads it failed before."""
+        with_images = [prompt for prompt in prompts if prompt.images]
+        executor = self._image_executor
+        if not with_images or executor is None:
+            return {}
+        loop = asyncio.get_running_loop()
+        # The cache keys hash every image's bytes (up to MAX_TOTAL_IMAGE_BYTES): not on the event loop.
+        keys = await loop.run_in_executor(executor, _cache_keys, with_images)
+        wanted: dict[tuple, Prompt] = {}
+        room = self.image_budget - self._images_held
+        for prompt, key in zip(with_images, keys):
+            digests = key[1]
+            if digests in wanted or len(digests) > room or (reuse and self.runner.images_cached(key)):
+                continue
+            wanted[digests] = prompt
+            room -= len(digests)
+        if not wanted:
+            return {}
+        reserved = sum(len(digests) for digests in wanted)
+        self._images_held += reserved
+        try:
+            outcomes = await asyncio.gather(
+                *(loop.run_in_executor(executor, self._preprocess_one, prompt) for prompt in wanted.values()))
+        except BaseException as exc:
+            self._images_held -= reserved
+            if isinstance(exc, Exception):
+                log.exception("image preprocessing failure")
+                raise EngineError(f"engine failure: {type(exc).__name__}: {exc}") from exc
+            raise  # cancelled: the caller went away; the workers' results are dropped
+        self.runner.stats["images_preprocessed"] += len(wanted)
+        return dict(zip(wanted, outcomes))
+
+    def _preprocess_one(self, prompt: Prompt) -> "ProcessedImages | EngineInputError":
+        """In an image worker: the prompt's images ready for upload, or why they cannot be read."""
+        try:
+            return self.runner.preprocess(prompt)
+        except EngineInputError as exc:
+            return exc
+
+    def _release(self, job: _Job) -> _Images:
+        """Take the job's preprocessed images (once) and give their room back to the budget."""
+        images, job.images = job.images, {}
+        self._images_held -= sum(len(digests) for digests in images)
+        return images
 
     # ------------------------------------------------------------------ the loop
 
@@ -255,6 +371,7 @@ class HFReader:
                 await self._wakeup.wait()
             job = self._queue.popleft()
             if job.dropped:
+                self._release(job)
                 continue
             if isinstance(job, _GenerateJob):
                 await self._generation_turn(loop, job)
@@ -269,7 +386,7 @@ class HFReader:
             while self._queue and isinstance(self._queue[0], _ReadJob):
                 nxt = self._queue[0]
                 if nxt.dropped:
-                    self._queue.popleft()
+                    self._release(self._queue.popleft())
                     continue
                 if rows + nxt.rows > self.options.max_batch_rows:
                     break
@@ -280,8 +397,14 @@ class HFReader:
     async def _read_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_ReadJob]) -> None:
         self._busy = len(batch) > 1 or bool(self._queue)
         specs = [spec for job in batch for spec in job.specs]
+        images: _Images = {}
+        for job in batch:
+            images.update(self._release(job))
         try:
-            results = await loop.run_in_executor(self._executor, self.runner.read, specs)
+            if images:
+                results = await loop.run_in_executor(self._executor, self.runner.read, specs, images)
+            else:  # text only: the runner's plain call
+                results = await loop.run_in_executor(self._executor, self.runner.read, specs)
         except asyncio.CancelledError:
             for job in batch:
                 self._fail(job, EngineUnavailable("the engine stopped"))
@@ -311,7 +434,7 @@ class HFReader:
     async def _generation_turn(self, loop: asyncio.AbstractEventLoop, job: _GenerateJob) -> None:
         """One model pass of a generation (its prompt encoding is the first), then back in line."""
         try:
-            chunk = await loop.run_in_executor(self._executor, self._generation_pass, job)
+            chunk = await loop.run_in_executor(self._executor, self._generation_pass, job, self._release(job))
         except asyncio.CancelledError:
             self._fail(job, EngineUnavailable("the engine stopped"))
             raise
@@ -329,9 +452,12 @@ class HFReader:
         if not job.cancelled:
             self._queue.append(job)
 
-    def _generation_pass(self, job: _GenerateJob) -> GenerateChunk | None:
+    def _generation_pass(self, job: _GenerateJob, images: _Images) -> GenerateChunk | None:
         if job.state is None:
-            job.state = self.runner.start_generation(job.spec, self.info.canvas_length)
+            if images:
+                job.state = self.runner.start_generation(job.spec, self.info.canvas_length, images)
+            else:  # a text prompt: the runner's plain call
+                job.state = self.runner.start_generation(job.spec, self.info.canvas_length)
             return None
         return self.runner.step_generation(job.state)
 

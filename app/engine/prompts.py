@@ -4,8 +4,13 @@ encoded prompts, image expansion and features, and batched encoder passes, repla
 
 Prompts missing from the LRU share encoder passes: sorted by length, at most `max_rows` a pass and
 `max_prompt_tokens` padded tokens, and, with encoder graphs, never across the bucket they fit. Image
-prompts go through the image processor and the vision tower one by one (features cached by the
-images' digests, so a frame restated in a later stage skips both), then share passes like text.
+prompts' images go through the vision tower together (features cached by the images' digests, so a
+frame restated in a later stage skips decoding and the tower), then share passes like text.
+
+Decoding and the image processor (`preprocess`) are plain CPU work that touches neither the model nor
+the caches: HFReader runs them in worker threads before a read or generation is queued and hands the
+result over (`Preprocessed`), so the engine thread only uploads the pixels and runs the tower. A
+prompt without a handed-over result (a direct runner call, a budget exceeded) is preprocessed inline.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import io
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +33,23 @@ class EncodedPrompt:
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     length: int  # prompt tokens as the model saw them, image soft tokens included
+
+
+@dataclass(frozen=True)
+class ProcessedImages:
+    """A prompt's images as the vision tower takes them, still on the CPU: what decoding, RGB
+    conversion and the image processor made of them. Any thread may build one (`preprocess`); the
+    engine thread only uploads it."""
+
+    counts: tuple[int, ...]  # soft tokens per image
+    pixel_values: torch.Tensor  # [images, patches, patch pixels], already in the model's dtype
+    image_position_ids: torch.Tensor  # [images, patches, 2]
+
+
+# Images preprocessed off the engine thread, by the digests of a prompt's images (`Prompt.cache_key[1]`):
+# the result, or the EngineInputError preprocessing raised, raised again on the engine thread for each
+# prompt that holds those images, exactly where inline preprocessing would have raised it.
+Preprocessed = Mapping[tuple, "ProcessedImages | EngineInputError"]
 
 
 class PromptCache:
@@ -55,6 +77,15 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._items)
 
+    def clear(self) -> None:
+        self._items.clear()
+
+    def __contains__(self, key: object) -> bool:
+        """Membership without touching the LRU order, so the event loop may ask while the engine
+        thread uses the cache (one dict lookup under the GIL); the answer may be stale by the time
+        the entry is read, which costs only an inline preprocess or one done for nothing."""
+        return key in self._items
+
 
 class PromptEncodingMixin:
     """Prompt encoding for DiffusionRunner (which provides the model, config, caches and stats)."""
@@ -73,39 +104,63 @@ class PromptEncodingMixin:
     stats: Any
 
 
-    def _expand(self, prompt: Prompt, *, reuse_vision: bool = False) -> dict[str, torch.Tensor]:
+    def preprocess(self, prompt: Prompt) -> ProcessedImages:
+        """Decode the prompt's images, convert them to RGB and run the image processor: CPU work that
+        touches neither the model's weights nor the caches, so a worker thread may run it while the
+        engine thread runs passes. A file that does not decode is a 422 naming its source."""
+        if self.image_processor is None:
+            raise EngineInputError("this model has no image processor", status=422, param="images")
+        from PIL import Image
+
+        pictures = []
+        for image in prompt.images:
+            try:
+                with Image.open(io.BytesIO(image.data)) as opened:
+                    pictures.append(opened.convert("RGB"))
+            except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's image
+                raise EngineInputError(
+                    f"{image.source}: not a decodable image ({exc})", status=422, param=image.source
+                ) from exc
+        processed = self.image_processor(pictures, return_tensors="pt")
+        return ProcessedImages(
+            counts=tuple(int(n) for n in processed["num_soft_tokens_per_image"]),
+            pixel_values=processed["pixel_values"].to(self.model.dtype),  # the cast off the engine thread too
+            image_position_ids=processed["image_position_ids"],
+        )
+
+    def images_cached(self, key: tuple) -> bool:
+        """Whether a read of the prompt with this `cache_key` will skip decoding its images: its KV
+        or its images' features are in the LRUs (a generation never reuses them). Safe to ask from
+        the event loop (see `PromptCache.__contains__`)."""
+        return key in self.prompts or key[1] in self.vision
+
+    def _expand(
+        self, prompt: Prompt, *, reuse_vision: bool = False, preprocessed: Preprocessed | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Token ids with each image placeholder expanded, plus the vision inputs. With
         `reuse_vision`, images whose features are in the vision LRU (a walk frame's later stages
-        restate the same frame) skip decoding and come back as `image_features` instead."""
+        restate the same frame) skip decoding and come back as `image_features` instead. Images
+        found in `preprocessed` are only uploaded; others are preprocessed here."""
         ids = list(prompt.ids)
         inputs: dict[str, torch.Tensor] = {}
-        known = self.vision.get(prompt.cache_key[1]) if prompt.images and reuse_vision else None
+        digests = prompt.cache_key[1] if prompt.images else ()
+        known = self.vision.get(digests) if prompt.images and reuse_vision else None
         if known is not None:
             counts, features = known
             self.stats["vision_hits"] += 1
             ids = self._expand_placeholders(ids, counts)
             inputs["image_features"] = features
         elif prompt.images:
-            if self.image_processor is None:
-                raise EngineInputError("this model has no image processor", status=422, param="images")
-            from PIL import Image
-
-            pictures = []
-            for image in prompt.images:
-                try:
-                    with Image.open(io.BytesIO(image.data)) as opened:
-                        pictures.append(opened.convert("RGB"))
-                except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's image
-                    raise EngineInputError(
-                        f"{image.source}: not a decodable image ({exc})", status=422, param=image.source
-                    ) from exc
-            processed = self.image_processor(pictures, return_tensors="pt")
-            counts = [int(n) for n in processed["num_soft_tokens_per_image"]]
-            ids = self._expand_placeholders(ids, counts)
-            inputs["soft_token_counts"] = torch.tensor(counts)
-            dtype = self.model.dtype
-            inputs["pixel_values"] = processed["pixel_values"].to(self.device, dtype)
-            inputs["image_position_ids"] = processed["image_position_ids"].to(self.device)
+            ready = preprocessed.get(digests) if preprocessed else None
+            if isinstance(ready, EngineInputError):
+                raise ready
+            if ready is None:
+                ready = self.preprocess(prompt)
+                self.stats["images_preprocessed_inline"] += 1
+            ids = self._expand_placeholders(ids, list(ready.counts))
+            inputs["soft_token_counts"] = torch.tensor(ready.counts)
+            inputs["pixel_values"] = ready.pixel_values.to(self.device, self.model.dtype)
+            inputs["image_position_ids"] = ready.image_position_ids.to(self.device)
         if len(ids) > self.max_prompt_tokens:
             raise self._too_long(len(ids))
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -147,9 +202,9 @@ class PromptEncodingMixin:
             raise outcome
         return outcome
 
-    def _encode_into_cache(self, prompt: Prompt) -> tuple[Any, int]:
+    def _encode_into_cache(self, prompt: Prompt, preprocessed: Preprocessed | None = None) -> tuple[Any, int]:
         """One eager encoder pass over the prompt into a fresh cache; (cache, prompt tokens incl. images)."""
-        inputs = self._expand(prompt)
+        inputs = self._expand(prompt, preprocessed=preprocessed)
         inputs.pop("soft_token_counts", None)
         length = int(inputs["input_ids"].shape[1])
         cache = self._new_cache()
@@ -159,11 +214,14 @@ class PromptEncodingMixin:
         return cache, length
 
     @torch.no_grad()
-    def encode_many(self, prompts: Sequence[Prompt]) -> list[EncodedPrompt | Exception]:
+    def encode_many(
+        self, prompts: Sequence[Prompt], preprocessed: Preprocessed | None = None,
+    ) -> list[EncodedPrompt | Exception]:
         """Encode several prompts: prompts missing from the LRU share left-padded encoder passes (at
         most `max_rows` prompts and `max_prompt_tokens` padded tokens a pass, and, with encoder
-        graphs, the largest bucket that fits). Image prompts go through the vision tower one by one,
-        then share passes like text. A prompt that cannot be read gets its exception."""
+        graphs, the largest bucket that fits). Image prompts' images go through the vision tower
+        together (taken from `preprocessed` where they are there), then share passes like text. A
+        prompt that cannot be read gets its exception."""
         results: list[EncodedPrompt | Exception | None] = [None] * len(prompts)
         pending: dict[tuple, list[int]] = {}
         for index, prompt in enumerate(prompts):
@@ -187,7 +245,7 @@ class PromptEncodingMixin:
         expanded: list[dict[str, torch.Tensor]] = []
         for key, indices in images:
             try:
-                expanded.append(self._expand(prompts[indices[0]], reuse_vision=True))
+                expanded.append(self._expand(prompts[indices[0]], reuse_vision=True, preprocessed=preprocessed))
                 embedded.append((key, indices))
             except EngineInputError as exc:
                 for index in indices:

@@ -1,0 +1,83 @@
+"""TORCH_COMPILE's parts (app/engine/compiled.py), on the CPU with torch.compile's `aot_eager` backend
+(it traces and runs what inductor would compile, in seconds): the compiled parts read exactly what
+the eager model reads, no part recompiles per layer, the warm-up leaves nothing behind, and the
+engine thread gets the compile limits (torch keeps them per thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import torch
+
+from app.engine import compiled
+from tests.conftest import make_tiny_reader
+from tests.engine.test_hf import spec_for
+from tests.engine.test_scheduling import FakeRunner, make_reader
+
+
+def logprobs(results):
+    return [[slot.label_logprobs for canvas in result.slots for slot in canvas] for result in results]
+
+
+@torch.no_grad()
+def test_compiled_parts_read_exactly_what_the_eager_model_reads(tiny_dir, tokenizer):
+    import torch._dynamo.utils
+
+    eager, runner = make_tiny_reader(tiny_dir).runner, make_tiny_reader(tiny_dir).runner
+    specs = [spec_for(tokenizer, "state one", "q1: yes\nq2: no", [42, 7]),
+             spec_for(tokenizer, "another state, longer than the first", "q1: yes", [5], steps=2, seed=3)]
+    expected = eager.read(specs)
+
+    layers = compiled.model_layers(runner.model)
+    count = compiled.compile_parts(runner.model, backend="aot_eager")
+    norms = sum(type(m).__name__.endswith("RMSNorm") for layer in layers for m in layer.modules())
+    assert count == len(layers) * len(compiled.PARTS) + norms
+    assert all(hasattr(layer.experts, "_compiled_call_impl") and layer.experts._compiled_call_impl is not None
+               for layer in layers)
+
+    torch._dynamo.utils.counters.clear()
+    got = runner.read(specs) + runner.read(specs[:1])  # two batch shapes: static, then dynamic
+    assert logprobs(got[:2]) == logprobs(expected)
+    assert logprobs(got[2:]) == logprobs(expected[:1])
+    # One body per part kind and input layout, shared by every layer: a per-layer compile would make
+    # hundreds of graphs here (layers x parts x shapes).
+    assert 0 < torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 40
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_warm_up_reads_then_leaves_no_prompt_or_counter_behind(tiny_dir):
+    runner = make_tiny_reader(tiny_dir).runner
+    seconds = compiled.warm_up(runner, canvas_length=16)
+    assert seconds > 0
+    assert len(runner.prompts) == 0
+    assert not runner.stats
+
+
+def test_compile_limits_are_set_on_the_calling_thread_and_the_engine_thread():
+    import torch._dynamo
+
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(torch._dynamo.config.recompile_limit))
+    compiled.configure_thread()
+    assert torch._dynamo.config.recompile_limit >= compiled.RECOMPILE_LIMIT
+    assert torch._dynamo.config.suppress_errors
+    thread.start()
+    thread.join()
+    assert seen[0] < compiled.RECOMPILE_LIMIT  # torch keeps these per thread: hence the engine thread's own call
+
+    async def engine_thread_limit(on_cuda: bool) -> int:
+        runner = FakeRunner()
+        runner.device = SimpleNamespace(type="cuda" if on_cuda else "cpu")
+        reader = make_reader(runner)
+        reader.options = reader.options.__class__(**{**reader.options.__dict__, "torch_compile": True})
+        await reader.start()
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(reader._executor, lambda: torch._dynamo.config.recompile_limit)
+        finally:
+            await reader.stop()
+
+    assert asyncio.run(engine_thread_limit(on_cuda=True)) >= compiled.RECOMPILE_LIMIT
+    assert asyncio.run(engine_thread_limit(on_cuda=False)) < compiled.RECOMPILE_LIMIT  # the CPU engine never compiles
