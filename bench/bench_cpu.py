@@ -7,7 +7,10 @@ Measured in ONE run, so the ratios compare numbers taken side by side on the sam
       engine    HFReader.read([spec]) of the exact ReadSpec the Decider sends for that decision
                 (captured by running the real Decider against a recording reader);
       decision  parse_decision(body, Settings().limits) + Decider.decide() in process: templating, the read, answers;
-      http      POST /v1/systemone to the real app under uvicorn on 127.0.0.1 (httpx, keep-alive).
+      http      POST /v1/systemone to the real app under uvicorn on 127.0.0.1 (httpx, keep-alive);
+      floor     the same POST, body and client to a bare Starlette app under the same uvicorn options
+                whose one route reads the body and returns a fixed JSON reply: what the client, the
+                loopback and uvicorn cost before any of djev's code runs.
     The differences are the decision logic (decision - engine) and the HTTP layer (http - decision);
     http_p50 / engine_p50 is the overhead ratio. Two conditions: "repeat" sends the same decision
     every time (its prompt KV is cached, so a read is one decoder pass) and "unique" gives every
@@ -44,6 +47,7 @@ from bench.common import (  # noqa: E402 - the repository root must be importabl
     fmt,
     header,
     latency_summary,
+    live_server,
     machine,
     markdown_table,
     set_torch_threads,
@@ -120,8 +124,25 @@ async def read_spec_for(recorder: SpecRecorder, body: dict[str, Any]) -> ReadSpe
 
 # ---------------------------------------------------------------------------------------- (a)
 
-async def single_decision(url: str, server_reader: Any, checkpoint: Path, reads: int, warmup: int) -> dict[str, Any]:
-    """Engine read vs in-process decision vs HTTP, interleaved, for both conditions."""
+def floor_app() -> Any:
+    """A bare Starlette app: one POST route that reads the body and answers a fixed JSON reply."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    reply = json.dumps({"answers": {}, "usage": {"input_tokens": 0}}).encode()
+
+    async def echo(request: Any) -> Response:
+        await request.body()
+        return Response(reply, media_type="application/json")
+
+    return Starlette(routes=[Route("/v1/systemone", echo, methods=["POST"])])
+
+
+async def single_decision(url: str, server_reader: Any, checkpoint: Path, reads: int, warmup: int,
+                          floor_url: str) -> dict[str, Any]:
+    """Engine read vs in-process decision vs HTTP (and the transport floor), interleaved, for both
+    conditions."""
     import httpx
 
     from app.decisions.run import Decider
@@ -129,12 +150,14 @@ async def single_decision(url: str, server_reader: Any, checkpoint: Path, reads:
     reader = tiny_reader(checkpoint)  # in-process: its own reader in this event loop
     await reader.start()
     try:
-        async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S) as client:
-            paths = Paths(reader, Decider(reader, Settings().read_settings), client)
+        async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S) as client, \
+                httpx.AsyncClient(base_url=floor_url, timeout=HTTP_TIMEOUT_S) as floor_client:
+            paths = Paths(reader, Decider(reader, Settings().read_settings), client, floor_client)
             await paths.check_same_answers(ticket_body("x000000"))
             return {
                 condition: await interleaved(paths, condition, {"engine": reader, "decision": reader,
-                                                                "http": server_reader}, reads, warmup)
+                                                                "http": server_reader, "floor": reader},
+                                             reads, warmup)
                 for condition in ("repeat", "unique")
             }
     finally:
@@ -145,10 +168,11 @@ class Paths:
     """The three ways to run one ticket decision; each returns the prompt tokens it read, so the
     report shows the three did the same work."""
 
-    def __init__(self, reader: Any, decider: Any, client: Any) -> None:
+    def __init__(self, reader: Any, decider: Any, client: Any, floor_client: Any) -> None:
         self.reader = reader
         self.decider = decider
         self.client = client
+        self.floor_client = floor_client
         self.recorder = SpecRecorder(reader)
 
     async def spec(self, body: dict[str, Any]) -> ReadSpec:
@@ -166,6 +190,11 @@ class Paths:
 
     async def http(self, body: dict[str, Any]) -> int:
         response = await self.client.post("/v1/systemone", json=body)
+        response.raise_for_status()
+        return response.json()["usage"]["input_tokens"]
+
+    async def floor(self, body: dict[str, Any]) -> int:
+        response = await self.floor_client.post("/v1/systemone", json=body)
         response.raise_for_status()
         return response.json()["usage"]["input_tokens"]
 
@@ -207,6 +236,7 @@ async def interleaved(paths: Paths, condition: str, readers: dict[str, Any], rea
         "engine": lambda i: paths.engine(specs[i]),
         "decision": lambda i: paths.decision(body("d", i)),
         "http": lambda i: paths.http(body("h", i)),
+        "floor": lambda i: paths.floor(body("f", i)),
     }
     seconds: dict[str, list[float]] = {name: [] for name in calls}
     encoder_passes = {name: 0 for name in calls}
@@ -303,7 +333,8 @@ def concurrency_curve(url: str, server_reader: Any, levels: Sequence[int], secon
 
 def report(single: dict[str, Any], curve: list[dict[str, Any]]) -> str:
     labels = {"engine": "engine read (HFReader.read)", "decision": "in-process decision (parse + Decider)",
-              "http": "HTTP POST /v1/systemone"}
+              "http": "HTTP POST /v1/systemone",
+              "floor": "transport floor: the same POST to a bare Starlette echo"}
     rows = []
     for condition, paths in single.items():
         engine_p50 = paths["engine"]["p50_ms"]
@@ -315,10 +346,11 @@ def report(single: dict[str, Any], curve: list[dict[str, Any]]) -> str:
              markdown_table(["condition", "path", "p50 ms", "p95 ms", "x engine p50", "prompt tokens",
                              "encoder passes/call"], rows), ""]
     for condition, paths in single.items():
-        engine, decision, http = (paths[name]["p50_ms"] for name in ("engine", "decision", "http"))
-        lines.append(f"- {condition}: HTTP overhead ratio http_p50/engine_p50 = {http / engine:.2f}; "
-                     f"split of the HTTP p50: engine {engine:.2f} ms, decision logic {decision - engine:.2f} ms, "
-                     f"HTTP layer {http - decision:.2f} ms")
+        engine, decision, http, floor = (paths[name]["p50_ms"] for name in ("engine", "decision", "http", "floor"))
+        lines.append(f"- {condition}: HTTP overhead over the engine read {http - engine:.2f} ms "
+                     f"(ratio {http / engine:.2f}); split of the HTTP p50: engine {engine:.2f} ms, decision logic "
+                     f"{decision - engine:.2f} ms, HTTP layer {http - decision:.2f} ms, of which the transport "
+                     f"floor (client, loopback, uvicorn) is {floor:.2f} ms")
     curve_rows = [[r["clients"], r["requests"], fmt(r["req_per_s"], 2), fmt(r["decisions_per_s"], 1),
                    fmt(r["p50_ms"], 1), fmt(r["p95_ms"], 1), fmt(r["encoder_passes_per_request"], 2),
                    fmt(r["decoder_passes_per_request"], 2), fmt(r["rows_per_decoder_pass"], 1),
@@ -351,8 +383,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     threads = set_torch_threads(args.torch_threads)
     info = machine()
     checkpoint = tiny_checkpoint()
-    with tiny_server(checkpoint) as (url, server_reader):
-        single = asyncio.run(single_decision(url, server_reader, checkpoint, args.reads, args.warmup))
+    with tiny_server(checkpoint) as (url, server_reader), live_server(floor_app()) as floor_url:
+        single = asyncio.run(single_decision(url, server_reader, checkpoint, args.reads, args.warmup, floor_url))
         curve = concurrency_curve(url, server_reader, args.levels, args.seconds)
     print(header("bench_cpu: engine vs decision vs HTTP, and concurrency (tiny model)", info))
     print()
