@@ -57,6 +57,24 @@ class Prompt:
         return (self.ids, tuple(image.digest for image in self.images))
 
 
+def decode_images(prompt: Prompt) -> list:
+    """The prompt's images as RGB PIL images (blocking: call it off the event loop). A file that does
+    not decode is the client's: a 422 naming where it came from."""
+    import io
+
+    from PIL import Image
+
+    pictures = []
+    for image in prompt.images:
+        try:
+            with Image.open(io.BytesIO(image.data)) as opened:
+                pictures.append(opened.convert("RGB"))
+        except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's image
+            raise EngineInputError(f"{image.source}: not a decodable image ({exc})", status=422,
+                                   param=image.source) from exc
+    return pictures
+
+
 @dataclass(frozen=True)
 class ReadSpec:
     """One read-only read of a template-seeded canvas.

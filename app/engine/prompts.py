@@ -15,7 +15,6 @@ prompt without a handed-over result (a direct runner call, a budget exceeded) is
 
 from __future__ import annotations
 
-import io
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -23,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from app.engine.base import EngineInputError, Prompt
+from app.engine.base import EngineInputError, Prompt, decode_images
 
 
 @dataclass
@@ -110,18 +109,7 @@ class PromptEncodingMixin:
         engine thread runs passes. A file that does not decode is a 422 naming its source."""
         if self.image_processor is None:
             raise EngineInputError("this model has no image processor", status=422, param="images")
-        from PIL import Image
-
-        pictures = []
-        for image in prompt.images:
-            try:
-                with Image.open(io.BytesIO(image.data)) as opened:
-                    pictures.append(opened.convert("RGB"))
-            except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's image
-                raise EngineInputError(
-                    f"{image.source}: not a decodable image ({exc})", status=422, param=image.source
-                ) from exc
-        processed = self.image_processor(pictures, return_tensors="pt")
+        processed = self.image_processor(decode_images(prompt), return_tensors="pt")
         return ProcessedImages(
             counts=tuple(int(n) for n in processed["num_soft_tokens_per_image"]),
             pixel_values=processed["pixel_values"].to(self.model.dtype),  # the cast off the engine thread too

@@ -20,7 +20,6 @@ What vLLM does differently from the hf engine (README, Engines):
 from __future__ import annotations
 
 import asyncio
-import io
 import itertools
 import json
 import logging
@@ -44,6 +43,7 @@ from app.engine.base import (
     ReadSpec,
     RelayedResponse,
     collect,
+    decode_images,
 )
 from app.engine.vllm_chat_serving import InProcessChat
 from app.engine.vllm_wire import (
@@ -290,7 +290,7 @@ class VLLMReader:
                 f"less the canvas)", status=400, param="state", error_type="max_tokens_exceeded")
         engine_input: dict[str, Any] = {"prompt_token_ids": list(prompt.ids)}
         if prompt.images:
-            engine_input["multi_modal_data"] = {"image": await asyncio.to_thread(_decode_images, prompt)}
+            engine_input["multi_modal_data"] = {"image": await asyncio.to_thread(decode_images, prompt)}
         return engine_input
 
     def _running(self) -> Any:
@@ -365,15 +365,4 @@ def engine_error(what: str, exc: BaseException) -> EngineError:
     return EngineError(message)
 
 
-def _decode_images(prompt: Prompt) -> list:
-    from PIL import Image
 
-    pictures = []
-    for image in prompt.images:
-        try:
-            with Image.open(io.BytesIO(image.data)) as opened:
-                pictures.append(opened.convert("RGB"))
-        except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's image
-            raise EngineInputError(f"{image.source}: not a decodable image ({exc})", status=422,
-                                   param=image.source) from exc
-    return pictures
