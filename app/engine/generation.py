@@ -41,8 +41,9 @@ class GenerationMixin:
     def start_generation(
         self, spec: GenerateSpec, canvas_length: int, preprocessed: Preprocessed | None = None,
     ) -> "Generation":
-        """A generation ready to step: its prompt encoded into a KV cache of its own (one encoder
-        pass; generation extends that cache block by block, so it never shares the prompt LRU).
+        """A generation ready to step: its prompt encoded into a KV cache of its own, which generation
+        extends block by block (a short text prompt is encoded like a read's, through the prompt LRU
+        or an encoder graph, and its KV loaded into that cache; see `_encode_into_cache`).
         `preprocessed`: the prompt's images, already decoded off this thread (HFReader)."""
         if not (math.isfinite(spec.temperature) and spec.temperature >= 0.0):
             raise EngineInputError(f"temperature must be a number >= 0, got {spec.temperature}", param="temperature")

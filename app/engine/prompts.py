@@ -191,7 +191,16 @@ class PromptEncodingMixin:
         return outcome
 
     def _encode_into_cache(self, prompt: Prompt, preprocessed: Preprocessed | None = None) -> tuple[Any, int]:
-        """One eager encoder pass over the prompt into a fresh cache; (cache, prompt tokens incl. images)."""
+        """The prompt encoded into a fresh cache that generation may extend; (cache, prompt tokens incl.
+        images). A text prompt shorter than the sliding window takes the reads' path (the LRU, or an
+        encoder graph replay on CUDA) and its KV is loaded into the cache, which then holds exactly
+        what an eager pass leaves there; any other prompt gets one eager encoder pass."""
+        if self._graph_encodable(prompt):
+            encoded = self.encode(prompt)
+            cache = self._new_cache()
+            for index, (keys, values) in enumerate(encoded.layers):
+                cache.update(keys, values, index)  # the cache concatenates later blocks: the LRU's tensors stay as they are
+            return cache, encoded.length
         inputs = self._expand(prompt, preprocessed=preprocessed)
         inputs.pop("soft_token_counts", None)
         length = int(inputs["input_ids"].shape[1])
@@ -200,6 +209,16 @@ class PromptEncodingMixin:
         self.model.model.encoder(past_key_values=cache, position_ids=positions, **inputs)
         self.stats["encoder_passes"] += 1
         return cache, length
+
+    def _graph_encodable(self, prompt: Prompt) -> bool:
+        """Whether a generation's prompt may be encoded like a read's: encoder graphs are held (CUDA),
+        the prompt is text that fits one, and it is shorter than the sliding window (so the sliding
+        layers' KV needs no crop before the cache takes it)."""
+        graphs = self.encoder_graphs
+        window = getattr(self.text_config, "sliding_window", None) or 0
+        n = len(prompt.ids)
+        return (graphs is not None and graphs.disabled is None and not prompt.images and 0 < n < window
+                and n <= self.max_prompt_tokens and graphs.fits(1, n))
 
     @torch.no_grad()
     def encode_many(

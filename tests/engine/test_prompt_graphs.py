@@ -143,3 +143,34 @@ def test_the_vision_graph_path_equals_the_library_forward(tiny_dir, tokenizer):
     assert got.shape[0] == int(inputs["soft_token_counts"].sum())
     one = vision.features(pixels[:1], positions[:1])  # a different bucket, built once
     assert torch.allclose(one, got[: one.shape[0]], atol=1e-4) and len(vision.graphs) == 2
+
+
+@torch.no_grad()
+def test_a_generation_prompt_takes_the_encoder_graph_path_and_generates_as_eager(tiny_dir, tokenizer):
+    from app.engine.base import GenerateSpec
+
+    eager, graphed = make_tiny_reader(tiny_dir).runner, graphed_runner(tiny_dir)
+    for runner in (eager, graphed):
+        runner.generation["max_denoising_steps"] = 4
+    prompt = Prompt(tuple(tokenizer.render_chat("Think.", "a state", 0, thinking=True)))
+    assert len(prompt.ids) < graphed.text_config.sliding_window
+    spec = GenerateSpec(prompt, 40, (), seed=11, temperature=0.0)  # greedy: two blocks, the second reads the first
+    a, b = eager.generate(spec, 32), graphed.generate(spec, 32)
+    assert a.ids == b.ids and a.passes == b.passes and a.prompt_tokens == b.prompt_tokens
+    assert graphed.stats["encoder_graph_replays"] == 1 and eager.stats["encoder_graph_replays"] == 0
+    # The prompt's KV in the LRU is not touched by the blocks the generation committed after it.
+    cached = graphed.prompts.get(prompt.cache_key)
+    assert cached is not None and all(k.shape[2] == len(prompt.ids) for k, _ in cached.layers)
+    again = graphed.generate(spec, 32)  # the LRU serves the second one: no encoder pass
+    assert again.ids == b.ids and graphed.stats["encoder_graph_replays"] == 1
+
+
+def test_a_long_or_image_generation_prompt_stays_on_the_eager_pass(tiny_dir, tokenizer):
+    graphed = graphed_runner(tiny_dir)
+    window = int(graphed.text_config.sliding_window)
+    long_prompt = text_prompt(tokenizer, window, "w")
+    assert len(long_prompt.ids) >= window
+    assert not graphed._graph_encodable(long_prompt)
+    image = ImageInput(b"not read here", "image/png", "frame")
+    assert not graphed._graph_encodable(Prompt((1, 2, 3), (image,)))
+    assert graphed._graph_encodable(Prompt(tuple(tokenizer.render_chat("Think.", "a state", 0, True))))
