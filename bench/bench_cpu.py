@@ -23,7 +23,7 @@ Measured in ONE run, so the ratios compare numbers taken side by side on the sam
     app/engine/diffusion.py). The clients run in a separate process so they do not share the
     server's GIL (they do share the CPU cores; see --torch-threads).
 
-Usage: python bench/bench_cpu.py [--seconds 10] [--levels 1,8,32] [--reads 50] [--torch-threads N] [--json OUT]
+Usage: python bench/bench_cpu.py [--seconds 10] [--levels 1,8,32] [--reads 150] [--torch-threads N] [--json OUT]
 """
 
 from __future__ import annotations
@@ -366,7 +366,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="seconds per concurrency level (default 10)")
     parser.add_argument("--levels", default="1,8,32", help="comma-separated client counts (default 1,8,32)")
-    parser.add_argument("--reads", type=int, default=50, help="timed calls per path and condition in (a) (default 50)")
+    parser.add_argument("--reads", type=int, default=150, help="timed calls per path and condition in (a) (default 150)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls per path first (default 5)")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads for the server (default: usable cores - 1, at least 1)")
