@@ -351,3 +351,24 @@ def test_a_prompt_past_the_context_is_jevs_max_tokens_exceeded(tiny_dir):
         body = assert_envelope(response, 400, "this server reads at most 200")
         assert body["detail"]["error_type"] == "max_tokens_exceeded"
         assert client.post("/v1/systemone", json={**TICKET, "samples": 1}).status_code == 200
+
+
+def test_the_json_depth_limit_counts_nesting_not_brackets():
+    """The depth walk is skipped for bodies with few brackets; past that, nesting decides, not how
+    many brackets a body has (a wide, shallow body passes; 65 levels anywhere is refused)."""
+    import json
+
+    from app.web.body import MAX_JSON_DEPTH, parse_json
+    from app.web.errors import HTTPError
+
+    wide = {"state": "x", "lists": [[i] for i in range(3 * MAX_JSON_DEPTH)]}  # many brackets, depth 3
+    assert parse_json(json.dumps(wide).encode()) == wide
+    at_limit = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    assert parse_json(at_limit.encode()) is not None
+    over = "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)
+    try:
+        parse_json(over.encode())
+    except HTTPError as exc:
+        assert exc.status == 400 and "nested deeper" in str(exc)
+    else:
+        raise AssertionError("65 levels of nesting were accepted")
