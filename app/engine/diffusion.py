@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from app.engine.base import ReadResult, ReadSpec, SlotRead
 from app.engine.generation import Generation, GenerationMixin  # noqa: F401 - Generation is part of the runner's API
+from app.engine.pixels import splittable
 from app.engine.prompts import (  # noqa: F401 - EncodedPrompt re-exported
     EncodedPrompt,
     Preprocessed,
@@ -66,6 +67,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self.model = model
         self.image_processor = image_processor
         self.device = device
+        self.split_pixels = device.type == "cuda" and image_processor is not None and splittable(image_processor)
         self.config = model.config
         self.text_config = model.config.text_config
         self.layer_types: list[str] = list(self.text_config.layer_types)

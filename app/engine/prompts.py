@@ -22,7 +22,9 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from app.engine import pixels
 from app.engine.base import EngineInputError, Prompt, decode_images
+from app.engine.pixels import Resized
 
 
 @dataclass
@@ -41,8 +43,11 @@ class ProcessedImages:
     engine thread only uploads it."""
 
     counts: tuple[int, ...]  # soft tokens per image
-    pixel_values: torch.Tensor  # [images, patches, patch pixels], already in the model's dtype
-    image_position_ids: torch.Tensor  # [images, patches, 2]
+    pixel_values: torch.Tensor | None  # [images, patches, patch pixels], already in the model's dtype
+    image_position_ids: torch.Tensor | None  # [images, patches, 2]
+    # With `split_pixels`: the images only resized (uint8); the engine thread finishes them on the
+    # device (app/engine/pixels.py), and the two tensors above are None.
+    resized: Resized | None = None
 
 
 # Images preprocessed off the engine thread, by the digests of a prompt's images (`Prompt.cache_key[1]`):
@@ -94,6 +99,7 @@ class PromptEncodingMixin:
     text_config: Any
     device: torch.device
     image_processor: Any
+    split_pixels: bool  # images finished on the device (app/engine/pixels.py): CUDA and a Gemma 4 processor
     max_prompt_tokens: int
     max_rows: int
     prompts: "PromptCache"
@@ -109,6 +115,9 @@ class PromptEncodingMixin:
         engine thread runs passes. A file that does not decode is a 422 naming its source."""
         if self.image_processor is None:
             raise EngineInputError("this model has no image processor", status=422, param="images")
+        if self.split_pixels:
+            resized = pixels.resize(self.image_processor, decode_images(prompt))
+            return ProcessedImages(counts=resized.counts, pixel_values=None, image_position_ids=None, resized=resized)
         processed = self.image_processor(decode_images(prompt), return_tensors="pt")
         return ProcessedImages(
             counts=tuple(int(n) for n in processed["num_soft_tokens_per_image"]),
@@ -147,8 +156,13 @@ class PromptEncodingMixin:
                 self.stats["images_preprocessed_inline"] += 1
             ids = self._expand_placeholders(ids, list(ready.counts))
             inputs["soft_token_counts"] = torch.tensor(ready.counts)
-            inputs["pixel_values"] = ready.pixel_values.to(self.device, self.model.dtype)
-            inputs["image_position_ids"] = ready.image_position_ids.to(self.device)
+            if ready.resized is not None:
+                inputs["pixel_values"], inputs["image_position_ids"] = pixels.patches(
+                    self.image_processor, ready.resized, self.device, self.model.dtype)
+            else:
+                assert ready.pixel_values is not None and ready.image_position_ids is not None
+                inputs["pixel_values"] = ready.pixel_values.to(self.device, self.model.dtype)
+                inputs["image_position_ids"] = ready.image_position_ids.to(self.device)
         if len(ids) > self.max_prompt_tokens:
             raise self._too_long(len(ids))
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
