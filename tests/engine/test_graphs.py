@@ -46,17 +46,22 @@ def test_multi_step_reads_replay_conditioned_graphs_and_equal_the_eager_path(tin
     assert torch.allclose(static_hidden, eager_hidden, atol=1e-4)
 
 
+def greedy_generations(tokenizer, *runners):
+    """The same greedy 40-token thought from each runner (4 denoise passes a block at most): greedy, so
+    that float32 rounding cannot flip a random draw or an entropy-bound acceptance (sampled runs diverge
+    after a few passes on this tiny model, whose passes agree to 1e-5); two blocks, the second reading
+    the committed first. Returns the spec and the results."""
+    for runner in runners:
+        runner.generation["max_denoising_steps"] = 4
+    prompt = Prompt(tuple(tokenizer.render_chat("Think.", "a state", 0, thinking=True)))
+    spec = GenerateSpec(prompt, 40, (), seed=11, temperature=0.0)
+    return spec, [runner.generate(spec, 32) for runner in runners]
+
+
 @torch.no_grad()
 def test_generation_on_the_graph_path_equals_eager_generation(tiny_dir, tokenizer):
     eager, static = make_tiny_reader(tiny_dir).runner, static_runner(tiny_dir)
-    for runner in (eager, static):
-        runner.generation["max_denoising_steps"] = 4
-    prompt = Prompt(tuple(tokenizer.render_chat("Think.", "a state", 0, thinking=True)))
-    # Greedy, so that float32 rounding cannot flip a random draw or an entropy-bound acceptance (sampled
-    # runs diverge after a few passes on this tiny model, whose passes agree to 1e-5): two blocks, the
-    # second reading the committed first.
-    spec = GenerateSpec(prompt, 40, (), seed=11, temperature=0.0)
-    a, b = eager.generate(spec, 32), static.generate(spec, 32)
+    _, (a, b) = greedy_generations(tokenizer, eager, static)
     assert a.ids == b.ids and a.passes == b.passes
     assert static.stats["graph_replays"] == b.passes and eager.stats["graph_replays"] == 0
     assert any(key[3] for key in static.graphs.graphs)  # self-conditioned passes replayed graphs too

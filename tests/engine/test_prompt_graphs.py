@@ -147,15 +147,12 @@ def test_the_vision_graph_path_equals_the_library_forward(tiny_dir, tokenizer):
 
 @torch.no_grad()
 def test_a_generation_prompt_takes_the_encoder_graph_path_and_generates_as_eager(tiny_dir, tokenizer):
-    from app.engine.base import GenerateSpec
+    from tests.engine.test_graphs import greedy_generations
 
     eager, graphed = make_tiny_reader(tiny_dir).runner, graphed_runner(tiny_dir)
-    for runner in (eager, graphed):
-        runner.generation["max_denoising_steps"] = 4
-    prompt = Prompt(tuple(tokenizer.render_chat("Think.", "a state", 0, thinking=True)))
+    spec, (a, b) = greedy_generations(tokenizer, eager, graphed)
+    prompt = spec.prompt
     assert len(prompt.ids) < graphed.text_config.sliding_window
-    spec = GenerateSpec(prompt, 40, (), seed=11, temperature=0.0)  # greedy: two blocks, the second reads the first
-    a, b = eager.generate(spec, 32), graphed.generate(spec, 32)
     assert a.ids == b.ids and a.passes == b.passes and a.prompt_tokens == b.prompt_tokens
     assert graphed.stats["encoder_graph_replays"] == 1 and eager.stats["encoder_graph_replays"] == 0
     # The prompt's KV in the LRU is not touched by the blocks the generation committed after it.
