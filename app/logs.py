@@ -5,8 +5,8 @@ it too). LOG_FORMAT=text gives one readable line per record; LOG_FORMAT=json one
 line: `time`, `level`, `logger`, `message`, `request_id` when the line was logged inside an HTTP
 request, any `extra=` fields, and `exception` with the traceback.
 
-The request id is the one the server answers in `x-typesafe-request-id`; `RequestContext` (a pure
-ASGI middleware) puts it in a context variable that tasks and worker threads started by the
+The request id is the one the server answers in `x-typesafe-request-id`; the front door
+(app/web/frontdoor.py) puts it in a context variable that tasks and worker threads started by the
 request inherit, so every line a request causes carries it.
 
 What is never logged: the API key and request bodies. The server's own log lines name routes,
@@ -25,8 +25,6 @@ import sys
 from contextvars import ContextVar
 from datetime import datetime, timezone
 from typing import IO, Any
-
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.config import Settings
 
@@ -140,20 +138,3 @@ def configure_logging(settings: Settings, stream: IO[str] | None = None) -> logg
     root.addHandler(handler)
     root.setLevel(settings.log_level.upper())
     return handler
-
-
-class RequestContext:
-    """Pure ASGI middleware: binds the request id (set in scope["state"] by the front door, which
-    must run before this) to `request_id_var` for everything the request runs.
-
-    The variable is deliberately not reset on the way out: the outermost error handler logs an
-    unexpected exception after the middleware returns, in the same task, and that line needs the id
-    most. Each request runs in a task of its own, so the value ends with it."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = scope.get("state") or {}
-        request_id_var.set(state.get("request_id") if scope["type"] == "http" else None)
-        await self.app(scope, receive, send)

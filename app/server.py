@@ -18,7 +18,6 @@ from starlette.routing import Route
 
 from app.config import Settings
 from app.engine.base import Reader
-from app.logs import RequestContext
 from app.web import health, openai, pages, raw, stream, systemone
 from app.web.errors import exception_handlers
 from app.web.frontdoor import REQUEST_ID_HEADER, FrontDoor, SecurityHeaders  # noqa: F401 - re-exported
@@ -57,7 +56,6 @@ def create_app(settings: Settings, reader: Reader, extra_routes: list | None = N
     app.state.services = services
     # Added last = outermost: the request id and the last-resort error reply wrap everything, and
     # the request metrics wrap those (a 401 or 500 from the front door is counted too).
-    app.add_middleware(RequestContext)  # inside FrontDoor: binds the id it made to every log line
     app.add_middleware(SecurityHeaders)
     app.add_middleware(FrontDoor, api_key=settings.api_key)
     app.add_middleware(RequestMetrics, metrics=services.metrics)

@@ -18,6 +18,8 @@ from typing import Any, Iterator, Sequence
 import httpx
 import pytest
 
+from app.selftest import DECISION
+
 from app.server import free_port
 from bench.common import vllm_cpu_env
 
@@ -29,13 +31,7 @@ PROBABILITY_TOLERANCE = 1e-4
 # The decision both engines answer in the parity tests: all three question types.
 TICKET = {
     "state": {"ticket": "Everything is down and we have a demo at noon. Fix it now."},
-    "questions": {
-        "urgent": {"type": "noul", "instructions": "Does the customer need a reply within the hour?"},
-        "team": {"type": "choice", "instructions": "Which team owns this?",
-                 "criteria": {"billing": None, "outage": "service down", "feature": None}},
-        "tone": {"type": "score", "instructions": "How angry is the customer?",
-                 "criteria": ["calm", "annoyed", "furious"]},
-    },
+    "questions": DECISION["questions"],  # the README's three question types (app/selftest.py)
     "samples": 2,
     "seed": 11,
 }

@@ -29,7 +29,9 @@ from app.decisions.prompt import ChatPrompts, restated_state, system_text
 from app.decisions.questions import Question
 from app.decisions.request import Decision
 from app.decisions.template import JOIN, LINES, TemplateItem, Templates, answer_format, answer_text
-from app.engine.base import EngineError, EngineInputError, GenerateSpec, Prompt, Reader, ReadResult, ReadSpec
+from app.engine.base import (
+    EngineError, EngineInputError, GenerateSpec, Prompt, Reader, ReadResult, ReadSpec, gather_or_cancel,
+)
 
 MIN_THOUGHT_ROWS = 8
 # A decision within these bounds plans, templates and estimates in well under a millisecond each, less
@@ -285,7 +287,7 @@ class _Run:
                 self.absorb(await self.run_group(questions, self.take_index(), group_conditioned, chunked))
             return
         indexed = [(questions, self.take_index()) for questions in split]
-        results = await _all_or_none([self.run_group(q, index, conditioned, chunked) for q, index in indexed])
+        results = await gather_or_cancel([self.run_group(q, index, conditioned, chunked) for q, index in indexed])
         for result in results:
             self.absorb(result)
 
@@ -424,19 +426,6 @@ def check_result(spec: ReadSpec, results: Sequence[ReadResult]) -> None:
                 break
     if problem:
         raise EngineError(f"the engine returned a malformed read: {problem}")
-
-
-async def _all_or_none(coroutines: Sequence[Awaitable[GroupResult]]) -> list[GroupResult]:
-    """Run concurrently; the first failure cancels the others and is raised (a refused group must
-    not leave its siblings reading for nobody)."""
-    tasks = [asyncio.ensure_future(c) for c in coroutines]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 __all__ = ["Decider", "Outcome", "Plan", "QuestionEstimate", "ReadSettings"]

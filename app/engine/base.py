@@ -22,9 +22,11 @@ The scheduling contract every reader keeps (tests hold the hf engine to it; docs
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass
-from typing import AsyncIterator, Mapping, Protocol, Sequence
+from functools import cached_property
+from typing import Any, AsyncIterator, Awaitable, Mapping, Protocol, Sequence
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,9 @@ class ImageInput:
     content_type: str
     source: str = "image"  # the multipart part name or "images[i]", for error messages
 
-    @property
+    @cached_property
     def digest(self) -> str:
+        """Hashed once per image (up to MAX_IMAGE_BYTES of it), however many caches ask."""
         return hashlib.sha256(self.data).hexdigest()[:32]
 
 
@@ -52,7 +55,7 @@ class Prompt:
     ids: tuple[int, ...]
     images: tuple[ImageInput, ...] = ()
 
-    @property
+    @cached_property
     def cache_key(self) -> tuple:
         return (self.ids, tuple(image.digest for image in self.images))
 
@@ -73,6 +76,27 @@ def decode_images(prompt: Prompt) -> list:
             raise EngineInputError(f"{image.source}: not a decodable image ({exc})", status=422,
                                    param=image.source) from exc
     return pictures
+
+
+def describe(exc: BaseException) -> str:
+    """An exception in one line for an error message: its type, and its text when it has one."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def gather_or_cancel(jobs: Sequence[Awaitable[Any]]) -> list:
+    """Await every coroutine at once; if one fails or the caller is cancelled, cancel the rest and
+    wait for them, so none outlives the call (a read's canvases in the vLLM engines, a decision's
+    groups in the Decider: a refused group must not leave its siblings reading for nobody)."""
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        pending = [task for task in tasks if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from app.engine.base import ReadResult, ReadSpec, SlotRead
-from app.engine.generation import Generation, GenerationMixin  # noqa: F401 - Generation is part of the runner's API
+from app.engine.generation import GenerationMixin
 from app.engine.pixels import splittable
 from app.engine.prompts import (  # noqa: F401 - EncodedPrompt re-exported
     EncodedPrompt,
@@ -31,13 +31,7 @@ from app.engine.prompts import (  # noqa: F401 - EncodedPrompt re-exported
     PromptCache,
     PromptEncodingMixin,
 )
-from app.engine.sampler import (  # noqa: F401 - re-exported: the sampler's pieces, as tests name them
-    entropy_bound_accept,
-    gumbel_argmax,
-    sample_step,
-    softcap,
-    temperature_at,
-)
+from app.engine.sampler import sample_step, softcap, temperature_at
 
 # HF's sampler defaults for DiffusionGemma (DiffusionGemmaGenerationConfig._get_default_generation_params);
 # a checkpoint's generation_config.json overrides them.

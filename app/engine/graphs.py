@@ -168,11 +168,13 @@ class DecoderGraphs:
                    for t, n in lengths.items()},
             cache=cache,
         )
+        # Measured from here: the graph's own self-conditioning input (rows x width x vocab, held per
+        # graph) counts in `memory` with what the capture adds.
+        before = torch.cuda.memory_allocated(self.device) if self.capture else 0
         if conditioned:
             graph.conditioning = torch.zeros((batch, width, self.model.config.text_config.vocab_size),
                                              dtype=self.model.dtype, device=self.device)
         self._load(graph, rows, None)
-        before = torch.cuda.memory_allocated(self.device) if self.capture else 0
         if self.capture:
             stream = torch.cuda.Stream(device=self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))

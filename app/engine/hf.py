@@ -38,11 +38,8 @@ from app.engine.base import (
 )
 
 if TYPE_CHECKING:
-    from app.engine.prompts import ProcessedImages
+    from app.engine.prompts import Preprocessed, ProcessedImages
 
-# What a job carries to the engine thread: its preprocessed images by their digests (see
-# app/engine/prompts.py `Preprocessed`).
-_Images = dict[tuple, "ProcessedImages | EngineInputError"]
 
 log = logging.getLogger("djev.engine")
 
@@ -155,7 +152,7 @@ def _cache_keys(prompts: Sequence[Prompt]) -> list[tuple]:
 class _ReadJob:
     """Reads of one caller, waiting for a batch, with their images preprocessed."""
 
-    def __init__(self, specs: list[ReadSpec], future: asyncio.Future, images: _Images) -> None:
+    def __init__(self, specs: list[ReadSpec], future: asyncio.Future, images: Preprocessed) -> None:
         self.specs = specs
         self.future = future
         self.rows = sum(len(spec.canvases) for spec in specs)
@@ -169,7 +166,7 @@ class _ReadJob:
 class _GenerateJob:
     """A generation that takes one model pass per turn, then goes back to the end of the queue."""
 
-    def __init__(self, spec: GenerateSpec, images: _Images) -> None:
+    def __init__(self, spec: GenerateSpec, images: Preprocessed) -> None:
         self.spec = spec
         self.images = images  # for its first pass (the prompt's encoding)
         self.chunks: asyncio.Queue[GenerateChunk | BaseException] = asyncio.Queue()
@@ -310,7 +307,7 @@ class HFReader:
 
     # ------------------------------------------------------------------ images
 
-    async def _preprocess(self, prompts: Sequence[Prompt], *, reuse: bool) -> _Images:
+    async def _preprocess(self, prompts: Sequence[Prompt], *, reuse: bool) -> Preprocessed:
         """The images of `prompts` that the engine thread would otherwise decode (not already known
         to its LRUs when the job may `reuse` them), decoded and processed in the image workers, once
         per distinct set, within `image_budget`. A set that cannot be read maps to its
@@ -321,7 +318,8 @@ class HFReader:
         if not with_images or executor is None:
             return {}
         loop = asyncio.get_running_loop()
-        # The cache keys hash every image's bytes (up to MAX_TOTAL_IMAGE_BYTES): not on the event loop.
+        # The cache keys hash every image's bytes (up to MAX_TOTAL_IMAGE_BYTES): here, in a worker, once per
+        # prompt (`Prompt.cache_key` keeps them), so neither the event loop nor the engine thread hashes.
         keys = await loop.run_in_executor(executor, _cache_keys, with_images)
         wanted: dict[tuple, Prompt] = {}
         room = self.image_budget - self._images_held
@@ -354,7 +352,7 @@ class HFReader:
         except EngineInputError as exc:
             return exc
 
-    def _release(self, job: _Job) -> _Images:
+    def _release(self, job: _Job) -> Preprocessed:
         """Take the job's preprocessed images (once) and give their room back to the budget."""
         images, job.images = job.images, {}
         self._images_held -= sum(len(digests) for digests in images)
@@ -397,14 +395,11 @@ class HFReader:
     async def _read_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_ReadJob]) -> None:
         self._busy = len(batch) > 1 or bool(self._queue)
         specs = [spec for job in batch for spec in job.specs]
-        images: _Images = {}
+        images: dict[tuple, Any] = {}
         for job in batch:
             images.update(self._release(job))
         try:
-            if images:
-                results = await loop.run_in_executor(self._executor, self.runner.read, specs, images)
-            else:  # text only: the runner's plain call
-                results = await loop.run_in_executor(self._executor, self.runner.read, specs)
+            results = await loop.run_in_executor(self._executor, self.runner.read, specs, images)
         except asyncio.CancelledError:
             for job in batch:
                 self._fail(job, EngineUnavailable("the engine stopped"))
@@ -452,12 +447,9 @@ class HFReader:
         if not job.cancelled:
             self._queue.append(job)
 
-    def _generation_pass(self, job: _GenerateJob, images: _Images) -> GenerateChunk | None:
+    def _generation_pass(self, job: _GenerateJob, images: Preprocessed) -> GenerateChunk | None:
         if job.state is None:
-            if images:
-                job.state = self.runner.start_generation(job.spec, self.info.canvas_length, images)
-            else:  # a text prompt: the runner's plain call
-                job.state = self.runner.start_generation(job.spec, self.info.canvas_length)
+            job.state = self.runner.start_generation(job.spec, self.info.canvas_length, images)
             return None
         return self.runner.step_generation(job.state)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -79,7 +79,6 @@ class _Graph:
     cache: _StaticKV
     graph: Any = None
     memory: int = 0
-    stats: dict = field(default_factory=dict)
 
 
 class EncoderGraphs:

@@ -229,9 +229,8 @@ class PromptEncodingMixin:
         the prompt is text that fits one, and it is shorter than the sliding window (so the sliding
         layers' KV needs no crop before the cache takes it)."""
         graphs = self.encoder_graphs
-        window = getattr(self.text_config, "sliding_window", None) or 0
         n = len(prompt.ids)
-        return (graphs is not None and graphs.disabled is None and not prompt.images and 0 < n < window
+        return (graphs is not None and not prompt.images and 0 < n < graphs.sliding_window
                 and n <= self.max_prompt_tokens and graphs.fits(1, n))
 
     @torch.no_grad()

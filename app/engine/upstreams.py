@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import httpx
 
-from app.engine.base import EngineError, EngineInputError, EngineUnavailable
+from app.engine.base import EngineError, EngineInputError, EngineUnavailable, describe
 
 log = logging.getLogger("djev.engine")
 
@@ -214,11 +214,6 @@ class UpstreamPool:
     async def close_stream(response: httpx.Response, upstream: Upstream) -> None:
         upstream.outstanding -= 1
         await response.aclose()
-
-
-def describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def error_text(response: httpx.Response) -> str:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from app.engine.prompt_graphs import bucket_of
+
 log = logging.getLogger("djev.engine")
 
 IMAGE_BUCKETS = (1, 2, 4, 8)
@@ -55,7 +57,7 @@ class VisionGraphs:
         """The soft-token features of every image ([total soft tokens, text hidden], in image order,
         as `get_image_features(...).pooler_output` gives them), or None to go eager."""
         images = int(pixel_values.shape[0])
-        bucket = next((size for size in IMAGE_BUCKETS if size >= images), None)
+        bucket = bucket_of(images, IMAGE_BUCKETS)
         if self.disabled is not None or bucket is None:
             return None
         key = (bucket, *pixel_values.shape[1:])

@@ -44,12 +44,13 @@ from app.engine.base import (
     RelayedResponse,
     collect,
     decode_images,
+    describe,
+    gather_or_cancel,
 )
 from app.engine.vllm_chat_serving import InProcessChat
 from app.engine.vllm_wire import (
     STOCK_LOGPROB_ID_CAP,
     CanvasAnswer,
-    gather_or_cancel,
     label_id_groups,
     load_tokenizer,
     merge_answers,
@@ -356,8 +357,7 @@ def engine_error(what: str, exc: BaseException) -> EngineError:
     reasons = []
     current: BaseException | None = exc
     while current is not None and len(reasons) < 4:
-        text = str(current).strip()
-        reasons.append(f"{type(current).__name__}: {text}" if text else type(current).__name__)
+        reasons.append(describe(current))
         current = current.__cause__
     message = f"vLLM failed {what}: " + " <- ".join(reasons)
     if type(exc).__name__ == "EngineDeadError":

@@ -33,6 +33,7 @@ from app.engine.base import (
     ReadSpec,
     RelayedResponse,
     collect,
+    gather_or_cancel,
 )
 from app.engine.upstreams import Failed, Upstream, UpstreamPool, describe
 from app.engine.vllm_chat import ChatFormer
@@ -43,7 +44,6 @@ from app.engine.vllm_wire import (
     checkpoint_ids,
     collapse_images,
     completion_read_body,
-    gather_or_cancel,
     label_id_groups,
     load_tokenizer,
     merge_answers,

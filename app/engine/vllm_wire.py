@@ -20,7 +20,6 @@ steps > 1 on vLLM is not reproducible per request.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from dataclasses import dataclass
@@ -228,17 +227,3 @@ def collapse_images(ids: Sequence[int], image_id: int, boi_id: int, eoi_id: int)
         else:
             out.append(token)
     return out
-
-
-async def gather_or_cancel(jobs: Sequence[Any]) -> list:
-    """Await every coroutine at once (all canvases of a read are submitted together); if one fails
-    or the caller is cancelled, cancel the rest and wait for them, so no request outlives its read."""
-    tasks = [asyncio.ensure_future(job) for job in jobs]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        pending = [task for task in tasks if not task.done()]
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)

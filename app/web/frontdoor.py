@@ -1,7 +1,7 @@
 """Pure ASGI middleware every HTTP request passes.
 
-`FrontDoor`: a request id on every response, the bearer check on every POST before its body is read
-or its route resolved, and the last word on an exception no handler took (a 500 through the one
+`FrontDoor`: a request id on every response (and bound to `request_id_var`, so every log line the
+request writes carries it), the bearer check on every POST before its body is read or its route resolved, and the last word on an exception no handler took (a 500 through the one
 error map, the traceback in the log, no internals to the client).
 
 `SecurityHeaders`: a Content-Security-Policy allowing the server itself plus what the pages really
@@ -17,6 +17,7 @@ import secrets
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.logs import request_id_var
 from app.web.auth import check_authorization
 from app.web.errors import HTTPError, error_reply
 
@@ -30,10 +31,15 @@ class FrontDoor:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            request_id_var.set(None)
             await self.app(scope, receive, send)
             return
         request_id = "req_" + secrets.token_hex(12)
         scope.setdefault("state", {})["request_id"] = request_id
+        # Not reset on the way out: the outermost error handler logs an unexpected exception after
+        # the middleware returns, in the same task, and that line needs the id most. Each request
+        # runs in a task of its own, so the value ends with it.
+        request_id_var.set(request_id)
         started = False
 
         async def send_with_id(message: Message) -> None:

@@ -217,6 +217,15 @@ def route_template(scope: Scope) -> str:
     return UNMATCHED
 
 
+def _route_of(scope: Scope) -> str:
+    """The route Starlette's router chose for this request (it records it in the scope), or, for an
+    answer given before routing (the front door's 401) or no route at all, the one that matches."""
+    route = scope.get("route")
+    if route is None:
+        return route_template(scope)
+    return str(getattr(route, "path", UNMATCHED)) or "/"
+
+
 class RequestMetrics:
     """Pure ASGI middleware: counts and times every HTTP request (websockets are counted as sessions).
 
@@ -232,7 +241,6 @@ class RequestMetrics:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        route = route_template(scope)  # before the app runs: routing rewrites root_path in the scope
         status: int | None = None
 
         async def send_and_note(message: Message) -> None:
@@ -250,4 +258,4 @@ class RequestMetrics:
             status = status or 500  # what Starlette's outermost error handler then answers
             raise
         finally:
-            self.metrics.request(route, scope["method"], status or 500, time.perf_counter() - started)
+            self.metrics.request(_route_of(scope), scope["method"], status or 500, time.perf_counter() - started)

@@ -35,7 +35,7 @@ from app.web.auth import key_matches
 from app.web.errors import HTTPError, error_reply
 from app.web.images import check_images
 from app.web.services import Services
-from app.web.work import Prepared, checked_plan, decide
+from app.web.work import Prepared, checked_plan, decide, unwrap
 
 log = logging.getLogger("djev.stream")
 
@@ -286,13 +286,6 @@ async def supervise(session: StreamSession) -> None:
         group.cancel_scope.cancel()
 
 
-def _first_failure(exc: BaseException) -> BaseException:
-    """The exception that ended a session, out of the task group's exception group."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc
-
-
 async def stream(websocket: WebSocket) -> None:
     services: Services = websocket.app.state.services
     subprotocol, token = _offered(websocket)
@@ -313,7 +306,7 @@ async def stream(websocket: WebSocket) -> None:
         })
         await supervise(session)
     except Exception as raised:  # noqa: BLE001 - every way a session ends is handled here
-        exc = _first_failure(raised)
+        exc = unwrap(raised)
         if isinstance(exc, Closing):
             log.info("stream %s closed: %s %s", session.id, exc.code, exc.reason)
             await _close(websocket, exc.code, exc.reason)

@@ -60,8 +60,9 @@ async def guarded(svc: Services, work: Callable[[], Awaitable[T]], receive: Rece
 
 
 def unwrap(error: BaseException) -> BaseException:
-    """The one exception a task group raised (only the work itself can fail: the watcher cannot)."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+    """The exception that ended a task group, out of its exception group: the first, where several
+    tasks failed (a camera session's two loops); `guarded`'s group only ever holds the work's own."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
         error = error.exceptions[0]
     return error
 

@@ -9,20 +9,11 @@ import base64
 import pytest
 
 from app.decisions.errors import RequestError
+from app.selftest import DECISION
 from tests.conftest import LIMITS
 from app.decisions.request import parse_decision
 
-TICKET = {
-    "model": "jev-latest",
-    "state": {"ticket": "Everything is down and we have a demo at noon."},
-    "questions": {
-        "urgent": {"type": "noul", "instructions": "Does the customer need a reply within the hour?"},
-        "team": {"type": "choice", "instructions": "Which team owns this?",
-                 "criteria": {"billing": None, "outage": "service down", "feature": None}},
-        "tone": {"type": "score", "instructions": "How angry is the customer?",
-                 "criteria": ["calm", "annoyed", "furious"]},
-    },
-}
+TICKET = {"model": "jev-latest", **DECISION}  # the README's example (app/selftest.py)
 
 
 def with_(**changes):

@@ -111,7 +111,7 @@ def test_steps_move_only_the_slots_and_are_seeded(tiny_reader, tokenizer):
 def test_sampler_pieces():
     import torch
 
-    from app.engine.diffusion import entropy_bound_accept, gumbel_argmax, temperature_at
+    from app.engine.sampler import entropy_bound_accept, gumbel_argmax, temperature_at
 
     flat = torch.zeros(4, 1000)
     draws = {tuple(gumbel_argmax(flat, torch.Generator().manual_seed(seed)).tolist()) for seed in range(5)}

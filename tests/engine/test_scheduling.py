@@ -42,7 +42,7 @@ class FakeRunner:
         self.fail_tag: int | None = None
         self.crash = False
 
-    def read(self, specs):
+    def read(self, specs, preprocessed=None):
         time.sleep(self.delay)
         with self.lock:
             self.log.append(("read", [s.prompt.ids[0] for s in specs]))
@@ -57,7 +57,7 @@ class FakeRunner:
                 out.append(ReadResult(slots=slots, prompt_tokens=1))
         return out
 
-    def start_generation(self, spec, canvas_length):
+    def start_generation(self, spec, canvas_length, preprocessed=None):
         time.sleep(self.delay)
         self.log.append(("encode", spec.seed))
         return {"spec": spec, "done": 0}
