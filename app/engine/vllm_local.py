@@ -260,13 +260,16 @@ class VLLMReader:
         from vllm import SamplingParams
 
         parts = []
+        slots = frozenset(spec.slots)
         for ids in label_id_groups(spec, self._logprob_cap):
             params = SamplingParams(max_tokens=len(canvas), logprob_token_ids=list(ids),
                                     extra_args=read_extra_args(spec, canvas))
-            parts.append(self._final(engine, prompt, params))
+            parts.append(self._final(engine, prompt, params, slots))
         return merge_answers(await gather_or_cancel(parts))
 
-    async def _final(self, engine: Any, prompt: dict, params: Any) -> CanvasAnswer:
+    async def _final(self, engine: Any, prompt: dict, params: Any, slots: frozenset[int]) -> CanvasAnswer:
+        """One request's answer; only the `slots` positions' logprobs are converted (the rest stay
+        empty: nothing reads them), on the event loop, for every canvas."""
         final = None
         try:
             async for output in engine.generate(prompt, params, f"djev-read-{next(self._ids)}"):
@@ -277,7 +280,8 @@ class VLLMReader:
         if final is None or not final.outputs or final.outputs[0].logprobs is None:
             raise EngineError("vLLM returned no logprobs for a read")
         output = final.outputs[0]
-        maps = [{int(token): float(entry.logprob) for token, entry in position.items()} for position in output.logprobs]
+        maps = [{int(token): float(entry.logprob) for token, entry in position.items()} if index in slots else {}
+                for index, position in enumerate(output.logprobs)]
         return CanvasAnswer(maps, [int(t) for t in output.token_ids], len(final.prompt_token_ids or ()))
 
     async def _engine_input(self, prompt: Prompt, width: int) -> dict:

@@ -20,7 +20,7 @@ from app.web.body import read_raw
 from app.web.errors import error_reply, render_json
 from app.web.raw import usage
 from app.web.services import services
-from app.web.work import decide, prepare
+from app.web.work import decide, options_in, prepare, rendered
 
 
 def completion(model: str, content: str, prompt_tokens: int, completion_tokens: int,
@@ -45,8 +45,8 @@ async def chat_completions(request: Request) -> Response:
         return error_reply(exc, refusal_status=400).response()
     model: Any = prepared.body.get("model") if isinstance(prepared.body, dict) else None
     served = model if isinstance(model, str) and model else svc.reader.info.model
-    # The content is the answers as indented JSON text, then the completion as JSON: both in the pool.
-    body = await svc.offload(_completion_json, served, outcome)
+    # The content is the answers as indented JSON text, then the completion as JSON: rendered together.
+    body = await rendered(svc, options_in(prepared.decision), _completion_json, served, outcome)
     return Response(body, media_type="application/json")
 
 

@@ -35,7 +35,7 @@ from app.web.auth import key_matches
 from app.web.errors import HTTPError, error_reply
 from app.web.images import check_images
 from app.web.services import Services
-from app.web.work import Prepared, checked_plan, decide, unwrap
+from app.web.work import Prepared, decide, priced_plan, unwrap
 
 log = logging.getLogger("djev.stream")
 
@@ -236,7 +236,8 @@ class StreamSession:
         started = time.monotonic()
         decision = dataclasses.replace(self.decision, images=(frame.image,))
         try:
-            plan = await self.services.offload(checked_plan, self.services, decision)
+            # The frame was checked when it arrived (frame_from_bytes): only the plan is made here.
+            plan = await self.services.offload(priced_plan, self.services, decision)
             outcome = await decide(self.services, Prepared(decision, plan, None), "stream")
         except Exception as exc:  # noqa: BLE001 - a frame that fails is reported; the session goes on
             await self.send_error(exc, frame.number)

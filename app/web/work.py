@@ -88,9 +88,14 @@ def prepare(svc: Services, raw: RawBody, chat_form: bool = False) -> Prepared:
 
 
 def checked_plan(svc: Services, decision: Decision) -> Plan:
-    """The decision's images checked and its plan made; a 400 naming the expensive field when the
-    decision alone costs more than the whole admission budget (blocking: worker pool)."""
+    """The decision's images checked and its plan made (blocking: worker pool)."""
     check_images(decision.images, svc.settings.max_image_pixels)
+    return priced_plan(svc, decision)
+
+
+def priced_plan(svc: Services, decision: Decision) -> Plan:
+    """The decision's plan; a 400 naming the expensive field when the decision alone costs more than
+    the whole admission budget (blocking: worker pool). Its images must be checked already."""
     plan = svc.plan(decision)
     if plan.cost > svc.admission.max_cost:
         svc.admission.check_fits(plan.cost, expensive_field(svc, decision))
@@ -131,11 +136,14 @@ def options_in(decision: Decision) -> int:
     return sum(len(question.alternatives) for question in decision.questions)
 
 
-async def json_reply(svc: Services, payload: Any, options: int) -> Response:
-    """A JSON response; rendered in the worker pool when it is large (`options` answer options: an
-    answer to 256 questions of 255 options is megabytes of JSON)."""
+async def rendered(svc: Services, options: int, render: Callable[..., bytes], *args: Any) -> bytes:
+    """`render(*args)`, in the worker pool when the answer is large (`options` answer options: an
+    answer to 256 questions of 255 options is megabytes of JSON), else right here."""
     if options <= INLINE_RENDER_OPTIONS:
-        body = render_json(payload)
-    else:
-        body = await svc.offload(render_json, payload)
-    return Response(body, media_type="application/json")
+        return render(*args)
+    return await svc.offload(render, *args)
+
+
+async def json_reply(svc: Services, payload: Any, options: int) -> Response:
+    """A JSON response, rendered where `rendered` says."""
+    return Response(await rendered(svc, options, render_json, payload), media_type="application/json")
