@@ -107,9 +107,17 @@ export class StreamSession {
   }
 
   async sendFrame(blob) {
-    if (!this.ready || this.ws?.readyState !== WebSocket.OPEN) return false;
-    this.ws.send(await blob.arrayBuffer());
+    if (!this.isOpen()) return false;
+    const data = await blob.arrayBuffer();
+    // Checked again: the session may have been closed (Stop) while the frame was read, and a
+    // closing socket takes a send without complaint, so the frame would be counted but never go.
+    if (!this.isOpen()) return false;
+    this.ws.send(data);
     return true;
+  }
+
+  isOpen() {
+    return this.ready && this.ws?.readyState === WebSocket.OPEN;
   }
 
   close() {
