@@ -135,6 +135,7 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
         torch_threads=settings.torch_threads,
         cuda_graphs=settings.cuda_graphs,
         torch_compile=settings.torch_compile,
+        fused_moe=settings.fused_moe,
     )
 
 

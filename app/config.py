@@ -81,6 +81,9 @@ class Settings:
     torch_compile: bool = field(default=True, metadata=_meta(
         "TORCH_COMPILE", "hf: 1 compiles the layers' norms, MLP, router and experts with torch.compile under the "
         "CUDA graphs, at start (CUDA only; about 25 s; 0 = eager kernels)"))
+    fused_moe: bool = field(default=True, metadata=_meta(
+        "FUSED_MOE", "hf: 1 runs the experts as djev's two Triton kernels (CUDA only, needs Triton; "
+        "0 = transformers' grouped_mm)"))
     torch_threads: int = field(default=0, metadata=_meta("TORCH_THREADS", "CPU threads torch may use; 0 = torch's default"))
     pages: bool = field(default=True, metadata=_meta("TEST_PAGE", "1 serves the browser pages (/, /walk, /cube)"))
     log_level: str = field(default="info", metadata=_meta("LOG_LEVEL", "debug, info, warning"))

@@ -188,11 +188,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     cases: list[dict[str, Any]] = []
     memory: dict[str, Any] = {}
     for mode in args.modes:
-        graphs = mode in ("graphs", "compiled")
-        if mode == "compiled":  # in place, so it runs last (parse_args orders the modes)
+        graphs = mode in ("graphs", "compiled", "fused")
+        if mode == "fused":  # in place, after "compiled" (parse_args orders the modes)
+            from app.engine.fused_moe import use_fused_experts
+
+            reason = use_fused_experts(model)
+            if reason is not None:
+                raise SystemExit(f"mode fused: {reason}")
+        if mode in ("compiled", "fused") and not getattr(model, "djev_compiled", False):
             from app.engine.compiled import compile_parts
 
             compile_parts(model)
+            model.djev_compiled = True
         uncached, cached = runner(0, graphs), runner(8, graphs)  # one model; the prompt KV cache off, and on
 
         def case(name: str, reads: int, canvases: int, run: Any, call: Callable[[], Any],
@@ -284,7 +291,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--modes", default=None,
                         help="eager, graphs (CUDA graph replay), compiled (graphs over torch.compile'd layer "
-                             "bodies; compiles the model in place, so it runs last), comma-separated "
+                             "bodies; compiles the model in place, so it runs last), fused (compiled, with the "
+                             "experts as djev's Triton kernels, FUSED_MOE), comma-separated "
                              "(default: eager,graphs on CUDA, eager on CPU)")
     parser.add_argument("--out", default=None, help="JSON results file (default: $OUT/bench_gpu.json when $OUT is set)")
     parser.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive baseline")
@@ -297,10 +305,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.experts = "grouped_mm" if args.device.startswith("cuda") else "default"
     if args.modes is None:
         args.modes = "eager,graphs" if args.device.startswith("cuda") else "eager"
-    order = ("eager", "graphs", "compiled")
+    order = ("eager", "graphs", "compiled", "fused")
     args.modes = [mode.strip() for mode in args.modes.split(",")]
     if any(mode not in order for mode in args.modes):
-        parser.error("--modes takes eager, graphs and/or compiled")
+        parser.error("--modes takes eager, graphs, compiled and/or fused")
     args.modes.sort(key=order.index)
     if not args.tiny and not args.device.startswith("cuda"):
         parser.error("the full-size model needs a GPU (about 50 GiB in bf16); use --tiny to check the script on a CPU")

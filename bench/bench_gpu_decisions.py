@@ -282,6 +282,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 except Exception as exc:  # noqa: BLE001 - e.g. out of memory at 32k: reported, not fatal
                     print(f"  naive prompt {n}: failed: {exc!r}"[:300], flush=True)
                     torch.cuda.empty_cache()
+    if args.fused_moe:  # after the naive baseline too
+        from app.engine.fused_moe import use_fused_experts
+
+        reason = use_fused_experts(model)
+        print(f"  experts: {'djev Triton kernels' if reason is None else 'grouped_mm: ' + reason}", flush=True)
+        results["fused_moe"] = reason is None
     if args.compile:  # after the naive baseline, which is the library's plain path
         from app.engine.compiled import compile_parts
 
@@ -485,6 +491,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gather-ms", default="", help="gather windows to sweep, ms, e.g. 0,2,5,10,20 (default: none)")
     parser.add_argument("--gather-levels", default="8,32", help="client counts of the gather sweep (default 8,32)")
     parser.add_argument("--compile", action="store_true", help="compile the layer bodies (TORCH_COMPILE=1)")
+    parser.add_argument("--fused-moe", action="store_true", help="the experts as djev's Triton kernels (FUSED_MOE=1)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=None, help="JSON file (default: $OUT/bench_gpu_decisions.json when $OUT is set)")

@@ -12,6 +12,8 @@ static path.
 
     python bench/check_gpu_numerics.py              # on a GPU box; about a minute
     python bench/check_gpu_numerics.py 6:float32    # one model size and dtype (layers:dtype ...)
+    python bench/check_gpu_numerics.py --fused-moe  # every path through the experts' Triton kernels
+                                                    # (FUSED_MOE), and those reads against grouped_mm's
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ def main() -> None:
     from app.engine.prompt_graphs import EncoderGraphs
 
     device = torch.device("cuda")
-    for layers, dtype in [(int(n), getattr(torch, t)) for n, t in (c.split(":") for c in sys.argv[1:])] or \
+    fused = "--fused-moe" in sys.argv[1:]
+    sizes = [arg for arg in sys.argv[1:] if arg != "--fused-moe"]
+    for layers, dtype in [(int(n), getattr(torch, t)) for n, t in (c.split(":") for c in sizes)] or \
             ((6, torch.float32), (6, torch.bfloat16), (30, torch.bfloat16)):
         config = DiffusionGemmaConfig(text_config=dict(FULL_TEXT_CONFIG, num_hidden_layers=layers),
                                       vision_config={"model_type": "gemma4_vision"}, canvas_length=256)
@@ -62,6 +66,16 @@ def main() -> None:
 
         plain = runner()
         alone = [plain.read([spec])[0] for spec in reads]
+        if fused:
+            from app.engine.fused_moe import use_fused_experts
+
+            grouped_alone, reason = alone, use_fused_experts(model)
+            if reason is not None:
+                raise SystemExit(f"--fused-moe: {reason}")
+            plain = runner()
+            alone = [plain.read([spec])[0] for spec in reads]
+            print(f"{layers} layers, {str(dtype).replace('torch.', '')}: experts as djev's Triton kernels")
+            print("  kernels vs grouped_mm, alone    ", [largest_difference(a, b) for a, b in zip(grouped_alone, alone)])
         together = runner().read(reads)
         static_reads = [runner(static_decoder=True).read([spec])[0] for spec in reads]
         encoder_static = runner(static_encoder=True)

@@ -5,7 +5,8 @@ cached-prompt reads, and one generation denoise pass; prints, per case, wall tim
 totals and the CUDA kernels that take the most time. With graphs the kernels run inside replays, so
 the table names what the graph replays (graph replays show as their kernels under CUDA time).
 
-    python bench/profile_gpu.py [--compile]   # on a GPU box; about a minute (--compile: TORCH_COMPILE's parts)
+    python bench/profile_gpu.py [--compile] [--fused-moe]   # on a GPU box; about a minute
+                                   # (--compile: TORCH_COMPILE's parts; --fused-moe: FUSED_MOE's kernels)
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ def main() -> None:
 
     device = torch.device("cuda")
     model = build_model(build_config(False), "cuda", torch.bfloat16, "grouped_mm")
+    if "--fused-moe" in sys.argv[1:]:
+        from app.engine.fused_moe import use_fused_experts
+
+        print("experts:", use_fused_experts(model) or "djev Triton kernels", flush=True)
     if "--compile" in sys.argv[1:]:
         from app.engine.compiled import compile_parts
 

@@ -45,6 +45,11 @@ GENERATION_DEFAULTS = {
 }
 
 
+# Slot positions unembedded at once: their fp32 logits are SLOT_CHUNK x vocab (256 MiB for the
+# 262k vocabulary).
+SLOT_CHUNK = 256
+
+
 class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
     def __init__(
         self,
@@ -200,10 +205,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         for remaining in range(steps, 0, -1):
             hidden = self._decoder_hidden(list(zip(prompts, canvases)), self_conditioning)
             if remaining == 1:
-                return [
-                    self._slot_reads(hidden[row], specs[index])
-                    for row, (index, _) in enumerate(rows)
-                ]
+                return self._slot_reads(hidden, [specs[index] for index, _ in rows])
             # Another step follows: only the slots move; every other position stays pinned.
             temperature = temperature_at(remaining, steps, self.generation["t_min"], self.generation["t_max"])
             logits = self._logits(hidden)
@@ -214,15 +216,32 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
             self_conditioning = (logits / temperature).to(self.model.dtype)
         raise AssertionError("unreachable: steps >= 1")
 
-    def _slot_reads(self, hidden_row: torch.Tensor, spec: ReadSpec) -> tuple[SlotRead, ...]:
-        positions = torch.tensor(spec.slots, device=self.device)
-        logprobs = torch.log_softmax(self._logits(hidden_row[positions]), dim=-1)
-        argmax = torch.argmax(logprobs, dim=-1).tolist()
-        reads = []
-        for slot_index, label_ids in enumerate(spec.label_ids):
-            values = logprobs[slot_index, torch.tensor(label_ids, device=self.device)].tolist()
-            reads.append(SlotRead(label_logprobs=tuple(float(v) for v in values), argmax_id=int(argmax[slot_index])))
-        return tuple(reads)
+    def _slot_reads(self, hidden: torch.Tensor, specs: Sequence[ReadSpec]) -> list[tuple[SlotRead, ...]]:
+        """Every row's slot reads from the decoder's hidden states [rows, width, H] (row r holds a
+        canvas of specs[r]): the slots of all rows go through the unembedding together, SLOT_CHUNK
+        at a time (the 262k-row matrix is read once per chunk, not once per canvas), and each chunk's
+        label log-probabilities and argmaxes come to the host in one copy."""
+        slots = [(row, position, label_ids) for row, spec in enumerate(specs)
+                 for position, label_ids in zip(spec.slots, spec.label_ids)]
+        values: list[float] = []
+        argmaxes: list[int] = []
+        for start in range(0, len(slots), SLOT_CHUNK):
+            chunk = slots[start:start + SLOT_CHUNK]
+            rows = torch.tensor([row for row, _, _ in chunk], device=self.device)
+            positions = torch.tensor([position for _, position, _ in chunk], device=self.device)
+            logprobs = torch.log_softmax(self._logits(hidden[rows, positions]), dim=-1)
+            label_slots = torch.tensor([i for i, (_, _, ids) in enumerate(chunk) for _ in ids], dtype=torch.long,
+                                       device=self.device)
+            label_ids = torch.tensor([t for _, _, ids in chunk for t in ids], dtype=torch.long, device=self.device)
+            both = torch.cat([logprobs[label_slots, label_ids].double(), logprobs.argmax(dim=-1).double()]).tolist()
+            values.extend(both[: len(label_ids)])
+            argmaxes.extend(int(v) for v in both[len(label_ids):])
+        reads: list[list[SlotRead]] = [[] for _ in specs]
+        offset = 0
+        for (row, _, label_ids), argmax in zip(slots, argmaxes):
+            reads[row].append(SlotRead(label_logprobs=tuple(values[offset:offset + len(label_ids)]), argmax_id=argmax))
+            offset += len(label_ids)
+        return [tuple(row_reads) for row_reads in reads]
 
     def _generator(self, seed: int) -> torch.Generator:
         generator = torch.Generator(device=self.device)

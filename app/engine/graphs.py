@@ -44,6 +44,39 @@ def bucket_length(length: int) -> int:
     return max(KV_BUCKET, -(-length // KV_BUCKET) * KV_BUCKET)
 
 
+@dataclass(frozen=True)
+class CanvasKV:
+    """A graph's static KV buffers of one layer, [rows, heads, prompt + canvas, dim], the prompt in
+    the first `length` positions. transformers' decoder attention concatenates the prompt KV with
+    the canvas's in every layer (a copy of the whole prompt KV, 21 ms a pass at 32 rows on an H200);
+    `append_in_place` writes the canvas's KV after the prompt instead and attends over the buffer."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int
+
+
+def append_in_place(attention: Any) -> None:
+    """Give a decoder attention module an `append_to_cache` that writes into a graph's CanvasKV
+    when its cache layer has one, and concatenates as transformers does otherwise (eager passes)."""
+    original = attention.append_to_cache
+    if getattr(original, "canvas_kv", False):
+        return
+
+    def append_to_cache(past_key_values: Any, key_states: torch.Tensor,
+                        value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        buffers = getattr(past_key_values.layers[attention.layer_idx], "canvas_kv", None)
+        if buffers is None:
+            return original(past_key_values, key_states, value_states)
+        end = buffers.length + key_states.shape[2]
+        buffers.keys[:, :, buffers.length:end].copy_(key_states)
+        buffers.values[:, :, buffers.length:end].copy_(value_states)
+        return buffers.keys[:, :, :end], buffers.values[:, :, :end]
+
+    append_to_cache.canvas_kv = True  # type: ignore[attr-defined]
+    attention.append_to_cache = append_to_cache
+
+
 @dataclass
 class _Graph:
     rows: int
@@ -89,6 +122,8 @@ class DecoderGraphs:
         self.disabled: str | None = None
         self.captures = 0
         self._storage: dict[str, torch.Tensor] = {}
+        for layer in model.model.decoder.layers:
+            append_in_place(layer.self_attn)
 
     def key(self, rows: Sequence[tuple[Any, Sequence[int]]], conditioning: torch.Tensor | None = None) -> tuple | None:
         width = max(len(canvas) for _, canvas in rows)
@@ -151,15 +186,19 @@ class DecoderGraphs:
         lengths = dict(lengths_items)
         first = rows[0][0]
         keys, values = [], []
+        cache = DynamicCache()
         for index, layer_type in enumerate(self.layer_types):
             k, v = first.layers[index]
-            keys.append(self._view(f"k{index}", (batch, k.shape[1], lengths[layer_type], k.shape[3]), k.dtype))
-            values.append(self._view(f"v{index}", (batch, v.shape[1], lengths[layer_type], v.shape[3]), v.dtype))
-        cache = DynamicCache()
-        for index, (k, v) in enumerate(zip(keys, values)):
-            cache.update(k, v, index)
+            length = lengths[layer_type]
+            # Room for the canvas after the prompt: the pass writes its own KV there (CanvasKV).
+            full_k = self._view(f"k{index}", (batch, k.shape[1], length + width, k.shape[3]), k.dtype)
+            full_v = self._view(f"v{index}", (batch, v.shape[1], length + width, v.shape[3]), v.dtype)
+            keys.append(full_k[:, :, :length])
+            values.append(full_v[:, :, :length])
+            cache.update(keys[-1], values[-1], index)
             # Point the cache at the static buffers themselves (update() stored a copy).
-            cache.layers[index].keys, cache.layers[index].values = k, v
+            cache.layers[index].keys, cache.layers[index].values = keys[-1], values[-1]
+            cache.layers[index].canvas_kv = CanvasKV(full_k, full_v, length)
         graph = _Graph(
             rows=batch, width=width, lengths=lengths, keys=keys, values=values,
             canvas=torch.full((batch, width), self.pad_id, dtype=torch.long, device=self.device),

@@ -60,6 +60,7 @@ class HFOptions:
     torch_threads: int  # 0 = torch's default
     cuda_graphs: bool  # replay decoder passes as CUDA graphs (CUDA only)
     torch_compile: bool = False  # compile the layers' parts, CUDA only (app/engine/compiled.py)
+    fused_moe: bool = False  # the experts as Triton kernels, CUDA only (app/engine/fused_moe.py)
 
 
 def pick_device(requested: str) -> str:
@@ -90,6 +91,14 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
         kwargs["experts_implementation"] = "grouped_mm"
     log.info("loading %s on %s (%s)", path, device_name, kwargs["dtype"])
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), **kwargs).to(device).eval()
+    if options.fused_moe and on_cuda:
+        from app.engine.fused_moe import use_fused_experts
+
+        reason = use_fused_experts(model)
+        if reason is None:
+            log.info("experts: djev's Triton kernels (FUSED_MOE)")
+        else:
+            log.warning("experts: grouped_mm, the Triton kernels cannot run this model: %s", reason)
     compiled = options.torch_compile and on_cuda
     if compiled:
         from app.engine.compiled import compile_parts

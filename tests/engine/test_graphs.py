@@ -78,3 +78,41 @@ def test_graphs_share_one_set_of_kv_buffers_and_cap_conditioning(tiny_dir, token
     assert first.keys[0].data_ptr() == second.keys[0].data_ptr()  # views of the same storage
     conditioning = torch.zeros(1, len(canvas), runner.vocab_size)
     assert runner.graphs.hidden([(encoded, canvas)], conditioning) is None  # past max_conditioning: eager
+
+
+@torch.no_grad()
+def test_a_graph_pass_writes_the_canvas_kv_after_the_prompt_instead_of_concatenating(tiny_dir, tokenizer):
+    """The static path's decoder attention writes each layer's canvas KV into the buffer after the
+    prompt (graphs.CanvasKV) and reads the same as the eager pass, which still concatenates."""
+    from transformers.cache_utils import DynamicLayer
+
+    concatenated = []
+    original_cat = torch.cat
+
+    def counting_cat(tensors, *args, **kwargs):
+        dim = kwargs.get("dim", args[0] if args else 0)
+        if any(getattr(t, "ndim", 0) == 4 for t in tensors) and dim in (2, -2):  # along the tokens
+            concatenated.append(len(tensors))
+        return original_cat(tensors, *args, **kwargs)
+
+    static = static_runner(tiny_dir)
+    spec = spec_for(tokenizer, "a state", "q1: yes\nq2: no", [42, 7], seed=3)
+    rows = [(static.encode_many([spec.prompt])[0], list(canvas)) for canvas in spec.canvases]
+    static.graphs.hidden(rows)  # builds the graph (its cache's set-up concatenates once)
+    torch.cat = counting_cat
+    try:
+        got = static.graphs.hidden(rows)
+        in_place = len(concatenated)
+        static.graphs, graphs = None, static.graphs
+        want = static._decoder_hidden(rows)
+    finally:
+        torch.cat = original_cat
+    assert in_place == 0 and len(concatenated) > 0  # the eager pass still concatenates
+    assert torch.allclose(got, want, atol=1e-4)
+    graph = next(iter(graphs.graphs.values()))
+    for index, layer in enumerate(graph.cache.layers):
+        assert isinstance(layer, DynamicLayer)
+        buffers = layer.canvas_kv
+        assert buffers.keys.shape[2] == buffers.length + graph.width
+        assert buffers.keys[:, :, :buffers.length].data_ptr() == graph.keys[index].data_ptr()
+        assert buffers.keys[:, :, buffers.length:].abs().sum() > 0  # the canvas's KV landed there

@@ -1,0 +1,194 @@
+"""The experts of a DiffusionGemma layer as two Triton kernels (FUSED_MOE, CUDA only).
+
+transformers' `grouped_mm` experts (what the engine used before) sort the token-expert pairs,
+gather the tokens' hidden states into a new tensor, run a grouped GEMM, split gate and up, apply
+the activation, run the second grouped GEMM, weight the rows, scatter them back and sum: on an
+H200 the GEMMs read the experts' weights at about 2.7 TB/s and the glue around them (gathers,
+elementwise kernels, the un-permute) costs as much again at batch 32 (docs/benchmarks.md).
+
+Here, per layer:
+  1. `align`: the token-expert pairs sorted by expert, each expert's run padded to a multiple of
+     BLOCK_M, and the expert of every block of BLOCK_M pairs -- a few small torch ops with no host
+     synchronisation, so the whole thing replays inside a CUDA graph (sizes are bounded by
+     pairs + experts x (BLOCK_M - 1), known from the shapes alone);
+  2. `_gate_up_kernel`: for each block of pairs of one expert, the gate and up projections of the
+     tokens, read straight from the hidden states by token index, the activation and their product,
+     written to an [pairs, intermediate] buffer in the pairs' own order;
+  3. `_down_kernel`: the down projection of those rows, times the pair's routing weight, written to
+     an fp32 [pairs, hidden] buffer in the pairs' own order, which a sum over each token's top-k rows
+     turns into the layer's output.
+No pair is gathered or scattered through a copy of the hidden states, and an expert that no token
+chose reads no weight.
+
+Numerics follow the grouped_mm path step by step: each projection is accumulated in fp32 and
+rounded to the model's dtype; the activation and the product are rounded as eager PyTorch rounds
+them; the routing weight multiplies in fp32 and the top-k sum is fp32, rounded once. Only the
+order of the GEMMs' fp32 accumulation differs (tests/engine/test_fused_moe.py checks the kernels
+against transformers' own experts, through Triton's interpreter on the CPU).
+
+Triton is imported lazily: the CPU install never needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("djev.engine")
+
+IMPLEMENTATION = "djev_fused"  # the name registered in transformers' experts interface
+ACTIVATIONS = ("gelu_pytorch_tanh",)  # what the kernel computes (Gemma 4's experts)
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def block_config(pairs: int, experts: int) -> BlockConfig:
+    """Tile sizes by the pairs an expert gets on average. Few pairs (a canvas or a few): one block
+    of 16 per expert, the kernels stream each chosen expert's weights once (memory-bound). Many (a
+    batch of prompts): larger tiles that reuse each weight tile over more rows (compute-bound)."""
+    per_expert = pairs / max(1, experts)
+    if per_expert <= 16:
+        return BlockConfig(16, 64, 128, 4, 3)
+    if per_expert <= 64:
+        return BlockConfig(32, 64, 128, 4, 3)
+    if per_expert <= 256:
+        return BlockConfig(64, 128, 64, 8, 3)
+    return BlockConfig(128, 128, 64, 8, 3)
+
+
+def align(top_k_index: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pairs, block_experts): the pair ids (token x top_k + slot) sorted by expert (stable), each
+    expert's run padded to a multiple of `block_m` with the sentinel tokens x top_k; and each block
+    of `block_m` entries' expert, or `experts` for the blocks past the last run (the kernels skip
+    them). Sizes depend only on the shapes: no host sync."""
+    flat = top_k_index.reshape(-1)
+    total = flat.numel()
+    device = flat.device
+    counts = torch.zeros(experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    padded_starts = padded_ends - padded
+    starts = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(total, device=device) - starts[expert_of]
+    capacity = -(-(total + experts * (block_m - 1)) // block_m) * block_m
+    pairs = torch.full((capacity,), total, dtype=torch.int32, device=device)
+    pairs[padded_starts[expert_of] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
+    return pairs, block_experts
+
+
+
+
+def fused_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """The experts' output [tokens, hidden] for `hidden_states` [tokens, hidden], each token's
+    `top_k_index` / `top_k_weights` [tokens, top_k], and the stacked weights gate_up_proj
+    [experts, 2 x inter, hidden] (gate rows first) and down_proj [experts, hidden, inter]."""
+    return run_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+
+
+def run_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, config: BlockConfig | None = None) -> torch.Tensor:
+    """`fused_experts` with the tiles given (bench/bench_gpu_moe.py tries several); None = block_config's."""
+    import triton
+
+    from app.engine.fused_moe_kernels import down_kernel, gate_up_kernel
+
+    tokens, hidden = hidden_states.shape
+    experts, double_inter, _ = gate_up_proj.shape
+    inter = double_inter // 2
+    top_k = top_k_index.shape[1]
+    total = tokens * top_k
+    config = config or block_config(total, experts)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    precision = "ieee" if hidden_states.dtype == torch.float32 else "tf32"
+    x = hidden_states.contiguous()
+    gate_up_proj = gate_up_proj.contiguous()
+    down_proj = down_proj.contiguous()
+    pairs, block_experts = align(top_k_index, experts, config.block_m)
+    blocks = block_experts.numel()
+    activated = torch.empty((total, inter), dtype=x.dtype, device=x.device)
+    gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](
+        x, gate_up_proj, activated, pairs, block_experts,
+        total, hidden, inter, top_k, experts,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), activated.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, INTERPRETED=interpreted, PRECISION=precision)
+    weighted = torch.empty((total, hidden), dtype=torch.float32, device=x.device)
+    routing = top_k_weights.reshape(-1).to(torch.float32).contiguous()
+    down_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
+        activated, down_proj, weighted, pairs, block_experts, routing,
+        total, hidden, inter, experts,
+        activated.stride(0), down_proj.stride(0), down_proj.stride(1), weighted.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, INTERPRETED=interpreted, PRECISION=precision)
+    return weighted.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------- wiring
+
+_OP: Any = None
+
+
+def _custom_op() -> Any:
+    """`fused_experts` as a torch custom op, so torch.compile (TORCH_COMPILE compiles the experts
+    module) treats it as one opaque call with a known output shape instead of tracing Triton."""
+    global _OP
+    if _OP is None:
+        op = torch.library.custom_op("djev::fused_experts", mutates_args=())(fused_experts)
+
+        @op.register_fake
+        def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):  # noqa: ANN001, ANN202
+            return hidden_states.new_empty(hidden_states.shape)
+
+        _OP = op
+    return _OP
+
+
+def experts_forward(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The forward transformers calls for a DiffusionGemma experts module under IMPLEMENTATION."""
+    return _custom_op()(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
+
+
+def unsupported(config: Any) -> str | None:
+    """Why the kernels cannot run this model's experts, or None when they can."""
+    text = getattr(config, "text_config", config)
+    activation = getattr(text, "hidden_activation", None)
+    if activation not in ACTIVATIONS:
+        return f"the experts' activation is {activation!r}, the kernel computes {', '.join(ACTIVATIONS)}"
+    if not getattr(text, "num_experts", None):
+        return "the model has no experts"
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"Triton is not importable ({exc})"
+    return None
+
+
+def use_fused_experts(model: Any) -> str | None:
+    """Switch `model`'s experts to the kernels (registering IMPLEMENTATION in transformers' experts
+    interface); returns None, or why they cannot run it (the model keeps its implementation)."""
+    reason = unsupported(model.config)
+    if reason is not None:
+        return reason
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
+    model.set_experts_implementation(IMPLEMENTATION)
+    return None

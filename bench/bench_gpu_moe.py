@@ -1,0 +1,146 @@
+"""One layer's experts on the GPU: transformers' grouped_mm (compiled, as TORCH_COMPILE runs it) vs
+djev's Triton kernels (app/engine/fused_moe.py), each replayed as a CUDA graph, at the token counts
+the engine sees: one canvas (32 tokens), 8 and 32 canvases, one prompt, 32 prompts.
+
+The full model's experts (128 x top-8, hidden 2816, expert FFN 704, bf16) with a uniform random
+router, as random weights route. For each count: median ms of each path, the bytes of the experts
+that were chosen at least once over that time (GB/s: the memory-bound floor), TFLOP/s, and the
+largest difference of the kernels' output from grouped_mm's (bf16: a rounding step or so). With
+--sweep, every tile configuration of SWEEP is timed too, so block_config's choices come from a
+measurement.
+
+    python bench/bench_gpu_moe.py [--tokens 32,256,1024,4096,10240] [--sweep] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2816, 704
+SWEEP = [  # block_m, block_n, block_k, warps, stages
+    (16, 64, 128, 4, 3), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (16, 32, 128, 4, 4),
+    (32, 64, 128, 4, 3), (32, 128, 64, 4, 4),
+    (64, 128, 64, 8, 3), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (128, 256, 64, 8, 3),
+]
+
+
+class Experts:
+    """What transformers' grouped_mm experts forward reads from a module."""
+
+    def __init__(self, gate_up: Any, down: Any) -> None:
+        import torch.nn.functional as F
+
+        self.gate_up_proj, self.down_proj = gate_up, down
+        self.num_experts = gate_up.shape[0]
+        self.act_fn = lambda t: F.gelu(t, approximate="tanh")
+        self.has_gate, self.has_bias, self.is_transposed = True, False, False
+        self.has_post_expert_norm, self._is_expert_parallel = False, False
+
+    def _apply_gate(self, gate_up_out: Any) -> Any:
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+
+def graphed(call: Callable[[], Any]) -> Callable[[], Any]:
+    """`call` captured as a CUDA graph after two warm-up runs; returns the replay."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = call()
+    return lambda: (graph.replay(), output)[1]
+
+
+def median_ms(replay: Callable[[], Any], reps: int) -> float:
+    import torch
+
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    import torch
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    from app.engine import fused_moe
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", default="32,256,1024,4096,10240")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=device, dtype=torch.bfloat16) * HIDDEN ** -0.5
+    down = torch.randn(EXPERTS, HIDDEN, INTER, device=device, dtype=torch.bfloat16) * INTER ** -0.5
+    module = Experts(gate_up, down)
+    expert_bytes = (gate_up[0].numel() + down[0].numel()) * 2
+    library = torch.compile(lambda x, i, w: grouped_mm_experts_forward(module, x, i, w), dynamic=False)
+    rows: list[dict[str, Any]] = []
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; experts {EXPERTS} x top-{TOP_K}, "
+          f"hidden {HIDDEN}, expert FFN {INTER}, bf16; CUDA-graph replays, median of {args.reps}", flush=True)
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        x = torch.randn(tokens, HIDDEN, device=device, dtype=torch.bfloat16)
+        scores = torch.rand(tokens, EXPERTS, device=device)
+        weights, index = torch.topk(torch.softmax(scores, -1), TOP_K, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        chosen = int(torch.unique(index).numel())
+        moved = chosen * expert_bytes
+        flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+        reference = library(x, index, weights)
+
+        def measure(name: str, call: Callable[[], Any]) -> dict[str, Any]:
+            replay = graphed(call)
+            ms = median_ms(replay, args.reps)
+            out = replay()
+            row = {"tokens": tokens, "path": name, "ms": round(ms, 4), "experts_chosen": chosen,
+                   "GB_per_s": round(moved / ms / 1e6, 1), "TFLOP_per_s": round(flops / ms / 1e9, 1),
+                   "max_diff": round((out.float() - reference.float()).abs().max().item(), 5)}
+            rows.append(row)
+            print(f"  tokens {tokens:6d}  {name:34s} {ms:8.3f} ms  {row['GB_per_s']:7.1f} GB/s  "
+                  f"{row['TFLOP_per_s']:6.1f} TFLOP/s  max diff {row['max_diff']}", flush=True)
+            return row
+
+        base = measure("grouped_mm (compiled)", lambda: library(x, index, weights))
+        chosen_config = fused_moe.block_config(tokens * TOP_K, EXPERTS)
+        fused = measure(f"djev kernels {tuple(vars(chosen_config).values())}",
+                        lambda: fused_moe.run_experts(x, index, weights, gate_up, down))
+        print(f"  tokens {tokens:6d}  kernels / grouped_mm: {fused['ms'] / base['ms']:.2f}x", flush=True)
+        if args.sweep:
+            for values in SWEEP:
+                config = fused_moe.BlockConfig(*values)
+                if config == chosen_config:
+                    continue
+                try:
+                    measure(f"  sweep {values}", lambda c=config: fused_moe.run_experts(x, index, weights, gate_up,
+                                                                                         down, c))
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: reported, not fatal
+                    print(f"  tokens {tokens:6d}  sweep {values}: failed {type(exc).__name__}: {exc}"[:200], flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Run by tests/engine/test_fused_moe.py in the CPU vLLM venv (.venv-vllm has Triton; the main venv
+does not need it) with TRITON_INTERPRET=1: Triton's interpreter runs the experts' kernels on CPU
+tensors. Prints one JSON object of measurements; the test asserts on them.
+
+    python tests/engine/fused_moe_checks.py TINY_CHECKPOINT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from app.engine import fused_moe  # noqa: E402
+
+
+def exact(x, index, weights, gate_up, down):
+    """The experts in float64, from the same (rounded) inputs: the yardstick for both paths."""
+    x, gate_up, down = x.double(), gate_up.double(), down.double()
+    out = torch.zeros_like(x)
+    for token in range(x.shape[0]):
+        for slot in range(index.shape[1]):
+            expert = int(index[token, slot])
+            gate, up = F.linear(x[token], gate_up[expert]).chunk(2)
+            out[token] += weights[token, slot].double() * F.linear(F.gelu(gate, approximate="tanh") * up, down[expert])
+    return out
+
+
+class Experts(torch.nn.Module):
+    """Just what transformers' grouped_mm experts forward reads from a module."""
+
+    def __init__(self, gate_up, down):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = torch.nn.Parameter(gate_up), torch.nn.Parameter(down)
+        self.num_experts = gate_up.shape[0]
+        self.act_fn = lambda t: F.gelu(t, approximate="tanh")
+        self.has_gate, self.has_bias, self.is_transposed = True, False, False
+        self.has_post_expert_norm, self._is_expert_parallel = False, False
+
+    def _apply_gate(self, gate_up_out):
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+
+def kernel_cases() -> list[dict]:
+    """Each tile configuration, in float32 and bfloat16, against float64 and against transformers'
+    grouped_mm experts on the same inputs (an expert no token chose included)."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    results = []
+    generator = torch.Generator().manual_seed(0)
+    shapes = {  # tokens, hidden, inter, experts, top_k: pairs per expert picks each config
+        "16x64": (6, 64, 48, 8, 2),
+        "32x64": (40, 96, 48, 4, 3),
+        "64x128": (200, 64, 160, 4, 2),
+        "128x128": (300, 64, 32, 2, 2),
+    }
+    for name, (tokens, hidden, inter, experts, top_k) in shapes.items():
+        config = fused_moe.block_config(tokens * top_k, experts)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(tokens, hidden, generator=generator).to(dtype)
+            gate_up = (torch.randn(experts, 2 * inter, hidden, generator=generator) / hidden ** 0.5).to(dtype)
+            down = (torch.randn(experts, hidden, inter, generator=generator) / inter ** 0.5).to(dtype)
+            choices = experts - 1 if experts > top_k else experts  # the last expert left out when possible
+            index = torch.stack([torch.randperm(choices, generator=generator)[:top_k] for _ in range(tokens)])
+            weights = torch.rand(tokens, top_k, generator=generator)
+            want = exact(x, index, weights, gate_up, down)
+            got = fused_moe.fused_experts(x, index, weights, gate_up, down)
+            library = grouped_mm_experts_forward(Experts(gate_up, down), x, index, weights)
+            results.append({
+                "case": name, "dtype": str(dtype).removeprefix("torch."), "block_m": config.block_m,
+                "shape": list(got.shape), "out_dtype": str(got.dtype).removeprefix("torch."),
+                "fused_error": (got.double() - want).abs().max().item(),
+                "library_error": (library.double() - want).abs().max().item(),
+                "vs_library": (got.double() - library.double()).abs().max().item(),
+                "scale": want.abs().max().item(),
+            })
+    return results
+
+
+def model_case(checkpoint: str) -> dict:
+    """The tiny model's decoder hidden states with transformers' experts, with the kernels, and with
+    the kernels under torch.compile (aot_eager: the custom op is opaque to the compiler, as it is to
+    inductor on the GPU)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.cache_utils import DynamicCache
+
+    from app.engine.compiled import compile_parts
+
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint, dtype=torch.float32,
+                                                            attn_implementation="sdpa").eval()
+    ids = torch.arange(100, 140).unsqueeze(0)
+    canvas = torch.arange(200, 216).unsqueeze(0)
+
+    @torch.no_grad()
+    def hidden():
+        cache = DynamicCache()
+        model.model.encoder(input_ids=ids, past_key_values=cache, use_cache=True)
+        return model.model(past_key_values=cache, decoder_input_ids=canvas,
+                           decoder_position_ids=torch.arange(40, 56).unsqueeze(0)).last_hidden_state
+
+    before = model.config._experts_implementation
+    library = hidden()
+    reason = fused_moe.use_fused_experts(model)
+    fused = hidden()
+    compile_parts(model, backend="aot_eager")
+    compiled = hidden()
+    return {
+        "before": before, "after": model.config._experts_implementation, "reason": reason,
+        "fused_vs_library": (fused - library).abs().max().item(),
+        "compiled_vs_fused": (compiled - fused).abs().max().item(),
+        "scale": library.abs().max().item(),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps({"kernels": kernel_cases(), "model": model_case(sys.argv[1])}))
