@@ -44,12 +44,33 @@ def test_align_sorts_pairs_by_expert_in_padded_blocks(block_m):
     assert experts - 1 not in block_experts.tolist()  # an expert no token chose gets no block
 
 
-def test_tiles_grow_with_the_pairs_an_expert_gets():
-    assert fused_moe.block_config(32 * 8, 128).block_m == 16  # one canvas: a few pairs per expert
-    assert fused_moe.block_config(1024 * 8, 128).block_m == 32  # 32 canvases
-    assert fused_moe.block_config(4096 * 8, 128).block_m == 64
-    assert fused_moe.block_config(9600 * 8, 128).block_m == 128  # 32 prompts of 300 tokens
-    assert [fused_moe.block_config(p, 4).block_m for p in (64, 256, 1024, 4096)] == [16, 32, 64, 128]
+def test_tiles_grow_with_the_pairs_an_expert_gets_then_grouped_mm_takes_over():
+    def block_m(tokens, experts=128, top_k=8):
+        config = fused_moe.block_config(tokens * top_k, experts)
+        return config and config.block_m
+
+    assert [block_m(t) for t in (32, 128, 129, 300, 512, 1024)] == [16, 16, 32, 32, 32, 64]
+    assert block_m(1025) is None and block_m(9600) is None  # a batch of prompts: grouped_mm
+
+
+def test_many_pairs_an_expert_go_through_grouped_mm(monkeypatch):
+    """experts_forward keeps transformers' grouped_mm where the kernels are slower; the kernels are
+    not called (they would raise here: no Triton in this venv)."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    from tests.engine.fused_moe_checks import Experts
+
+    generator = torch.Generator().manual_seed(1)
+    tokens, hidden, inter, experts, top_k = 600, 32, 16, 4, 2
+    module = Experts(torch.randn(experts, 2 * inter, hidden, generator=generator),
+                     torch.randn(experts, hidden, inter, generator=generator))
+    x = torch.randn(tokens, hidden, generator=generator)
+    index = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator)
+    monkeypatch.setattr(fused_moe, "_custom_op", lambda: pytest.fail("the kernels were called"))
+    assert fused_moe.block_config(tokens * top_k, experts) is None
+    assert torch.equal(fused_moe.experts_forward(module, x, index, weights),
+                       grouped_mm_experts_forward(module, x, index, weights))
 
 
 def test_a_model_the_kernels_cannot_run_keeps_its_experts(tiny_dir, monkeypatch):
@@ -77,6 +98,7 @@ def interpreted(tiny_dir):
 
 def test_every_tile_configuration_is_exercised(interpreted):
     assert sorted({case["block_m"] for case in interpreted["kernels"]}) == [16, 32, 64, 128]
+    assert {case["block_m"] for case in interpreted["kernels"]} >= {c.block_m for _, c in fused_moe.TILES}
 
 
 def test_float32_kernels_equal_the_exact_experts(interpreted):
