@@ -196,9 +196,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if reason is not None:
                 raise SystemExit(f"mode fused: {reason}")
         if mode in ("compiled", "fused") and not getattr(model, "djev_compiled", False):
-            from app.engine.compiled import compile_parts
+            from app.engine.compiled import compile_layers
 
-            compile_parts(model)
+            compile_layers(model)
             model.djev_compiled = True
         uncached, cached = runner(0, graphs), runner(8, graphs)  # one model; the prompt KV cache off, and on
 

@@ -289,9 +289,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  experts: {'djev Triton kernels' if reason is None else 'grouped_mm: ' + reason}", flush=True)
         results["fused_moe"] = reason is None
     if args.compile:  # after the naive baseline, which is the library's plain path
-        from app.engine.compiled import compile_parts
+        from app.engine.compiled import compile_layers
 
-        compile_parts(model)
+        compile_layers(model)
     await reader.start()
     decider = Decider(reader, settings.read_settings)
     rng = random.Random(0)

@@ -34,9 +34,9 @@ def main() -> None:
 
         print("experts:", use_fused_experts(model) or "djev Triton kernels", flush=True)
     if "--compile" in sys.argv[1:]:
-        from app.engine.compiled import compile_parts
+        from app.engine.compiled import compile_layers
 
-        compile_parts(model)
+        compile_layers(model)
     runner = DiffusionRunner(model, None, device=device, max_prompt_tokens=32768, kv_entries=64, max_rows=64,
                              cuda_graphs=True)
     specs = Specs(262144, 300)

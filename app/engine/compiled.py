@@ -1,51 +1,38 @@
-"""Parts of the model's layers compiled with torch.compile (TORCH_COMPILE), under the CUDA graphs.
+"""The model's layers compiled with torch.compile (TORCH_COMPILE), under the CUDA graphs.
 
 A CUDA graph removes launch overhead but replays every kernel eager PyTorch launched: in one
 DiffusionGemma layer that is about a hundred small elementwise and reduction kernels (ten RMS norms
-of eight kernels each, the router's softmax and top-k arithmetic, the experts' sort, gathers and
-weighted sum) around the few large ones. Compiling fuses them into a few generated kernels; the
-graphs then capture the compiled kernels as they captured the eager ones (the warm-up calls before
-each capture are where a new shape compiles).
+of eight kernels each, the rotary embedding, the router's softmax and top-k arithmetic, the
+experts' sort, gathers and weighted sum, the residuals) around the few large ones. Compiling fuses
+them into a few generated kernels; the graphs then capture the compiled kernels as they captured
+the eager ones (the warm-up calls before each capture are where a new shape compiles).
 
-What is compiled: each layer's RMS norms, its dense MLP, its router and its experts, as modules.
-Not the layer as a whole: a layer's forward indexes the KV cache by its own layer number, which
-torch.compile specialises on, so the 30 layers would compile 30 times over for every shape (minutes,
-measured: docs/benchmarks.md). These parts hold no per-layer constants, so every layer shares one
-compiled body per part and shape; a dimension seen to change compiles once more as dynamic.
-Attention (projections, rotary, the cache, SDPA) stays eager, as do the embeddings, the masks and
-the vision tower.
+What is compiled: each layer's forward split in three (app/engine/layers.py), the attention's
+inputs (norm, projections, q/k/v norms, rotary) and the feed-forward half (output projection,
+norms, residuals, MLP, router, experts) compiled, the cache and attention between them eager. Not
+the layer as a whole: a layer's forward indexes the KV cache by its own layer number, which
+torch.compile specialises on, so the 30 layers would compile 30 times over for every shape
+(minutes, measured: docs/benchmarks.md). The two compiled pieces read no layer number, so every
+layer shares one compiled body per piece, layer kind and shape; a dimension seen to change compiles
+once more as dynamic. The embeddings, the masks and the vision tower stay eager.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any
 
 log = logging.getLogger("djev.engine")
 
-# Compiled variants torch keeps per part before it runs that part eagerly: (static, dynamic) x a
-# few input layouts stays well inside it.
+# Compiled variants torch keeps per piece before it runs that piece eagerly: (static, dynamic) x
+# two layer kinds x a few input layouts stays well inside it.
 RECOMPILE_LIMIT = 64
-PARTS = ("mlp", "router", "experts")
 
 
 def model_layers(model: Any) -> list[Any]:
     """The prompt encoder's and the decoder's layers of a DiffusionGemma model."""
     inner = model.model
     return [*inner.encoder.language_model.layers, *inner.decoder.layers]
-
-
-def compiled_parts(model: Any) -> Iterator[Any]:
-    """The modules `compile_parts` compiles: per layer its norms (attention's too), MLP, router and
-    experts."""
-    for layer in model_layers(model):
-        for name in PARTS:
-            part = getattr(layer, name, None)
-            if part is not None:
-                yield part
-        for module in layer.modules():
-            if type(module).__name__.endswith("RMSNorm"):
-                yield module
 
 
 def configure_thread() -> None:
@@ -61,17 +48,20 @@ def configure_thread() -> None:
     config.suppress_errors = True
 
 
-def compile_parts(model: Any, backend: str = "inductor") -> int:
-    """Compile the parts in place (`nn.Module.compile`); returns how many modules. Configures the
-    calling thread (`configure_thread`); other threads that run the model must configure themselves."""
+def compile_layers(model: Any, backend: str = "inductor") -> int:
+    """Give every text layer the split forward with its two pieces compiled (app/engine/layers.py);
+    returns how many layers. Configures the calling thread (`configure_thread`); other threads that
+    run the model must configure themselves."""
+    import torch
+
+    from app.engine.layers import install
+
     configure_thread()
-    count = 0
-    for part in compiled_parts(model):
-        part.compile(backend=backend, dynamic=None)
-        count += 1
-    log.info("torch.compile (%s) on %d norm, MLP, router and experts modules: each new shape compiles on first use",
-             backend, count)
-    return count
+    layers = model_layers(model)
+    install(layers, compile=lambda function: torch.compile(function, backend=backend, dynamic=None))
+    log.info("torch.compile (%s) on the %d text layers' attention inputs and feed-forward halves: each new "
+             "shape compiles on first use", backend, len(layers))
+    return len(layers)
 
 
 def warm_up(runner: Any, canvas_length: int, rows: tuple[int, ...] = (1, 2)) -> float:

@@ -101,9 +101,9 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
             log.warning("experts: grouped_mm, the Triton kernels cannot run this model: %s", reason)
     compiled = options.torch_compile and on_cuda
     if compiled:
-        from app.engine.compiled import compile_parts
+        from app.engine.compiled import compile_layers
 
-        compile_parts(model)
+        compile_layers(model)
     hf_tokenizer = AutoTokenizer.from_pretrained(str(path))
     try:
         image_processor = AutoImageProcessor.from_pretrained(str(path), backend="pil")

@@ -91,7 +91,7 @@ def model_case(checkpoint: str) -> dict:
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.cache_utils import DynamicCache
 
-    from app.engine.compiled import compile_parts
+    from app.engine.compiled import compile_layers
 
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint, dtype=torch.float32,
                                                             attn_implementation="sdpa").eval()
@@ -109,7 +109,7 @@ def model_case(checkpoint: str) -> dict:
     library = hidden()
     reason = fused_moe.use_fused_experts(model)
     fused = hidden()
-    compile_parts(model, backend="aot_eager")
+    compile_layers(model, backend="aot_eager")
     compiled = hidden()
     return {
         "before": before, "after": model.config._experts_implementation, "reason": reason,

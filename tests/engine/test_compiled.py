@@ -1,7 +1,8 @@
-"""TORCH_COMPILE's parts (app/engine/compiled.py), on the CPU with torch.compile's `aot_eager` backend
-(it traces and runs what inductor would compile, in seconds): the compiled parts read exactly what
-the eager model reads, no part recompiles per layer, the warm-up leaves nothing behind, and the
-engine thread gets the compile limits (torch keeps them per thread)."""
+"""TORCH_COMPILE (app/engine/compiled.py, app/engine/layers.py), on the CPU with torch.compile's
+`aot_eager` backend (it traces and runs what inductor would compile, in seconds): the split layers
+read exactly what the library's layers read, eager and compiled, no piece recompiles per layer, the
+warm-up leaves nothing behind, and the engine thread gets the compile limits (torch keeps them per
+thread)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from app.engine import compiled
+from app.engine.base import GenerateSpec, Prompt
 from tests.conftest import make_tiny_reader
 from tests.engine.test_hf import spec_for
 from tests.engine.test_scheduling import FakeRunner, make_reader
@@ -22,7 +24,22 @@ def logprobs(results):
 
 
 @torch.no_grad()
-def test_compiled_parts_read_exactly_what_the_eager_model_reads(tiny_dir, tokenizer):
+def test_the_split_layers_read_exactly_what_the_library_layers_read(tiny_dir, tokenizer):
+    from app.engine import layers
+
+    library, split = make_tiny_reader(tiny_dir).runner, make_tiny_reader(tiny_dir).runner
+    specs = [spec_for(tokenizer, "state one", "q1: yes\nq2: no", [42, 7]),
+             spec_for(tokenizer, "another state, longer than the first", "q1: yes", [5], steps=2, seed=3)]
+    layers.install(compiled.model_layers(split.model))
+    assert all(getattr(layer.forward, "djev_split", False) for layer in compiled.model_layers(split.model))
+    assert logprobs(split.read(specs)) == logprobs(library.read(specs))  # the same ops in the same order
+    generation = GenerateSpec(Prompt(tuple(tokenizer.render_chat("Think.", "a state", 0, thinking=True))), 16, (),
+                              seed=5, temperature=0.0)
+    assert split.generate(generation, 16) == library.generate(generation, 16)
+
+
+@torch.no_grad()
+def test_compiled_layers_read_exactly_what_the_eager_model_reads(tiny_dir, tokenizer):
     import torch._dynamo.utils
 
     eager, runner = make_tiny_reader(tiny_dir).runner, make_tiny_reader(tiny_dir).runner
@@ -31,19 +48,16 @@ def test_compiled_parts_read_exactly_what_the_eager_model_reads(tiny_dir, tokeni
     expected = eager.read(specs)
 
     layers = compiled.model_layers(runner.model)
-    count = compiled.compile_parts(runner.model, backend="aot_eager")
-    norms = sum(type(m).__name__.endswith("RMSNorm") for layer in layers for m in layer.modules())
-    assert count == len(layers) * len(compiled.PARTS) + norms
-    assert all(hasattr(layer.experts, "_compiled_call_impl") and layer.experts._compiled_call_impl is not None
-               for layer in layers)
+    assert compiled.compile_layers(runner.model, backend="aot_eager") == len(layers)
+    assert all(getattr(layer.forward, "djev_split", False) for layer in layers)
 
     torch._dynamo.utils.counters.clear()
     got = runner.read(specs) + runner.read(specs[:1])  # two batch shapes: static, then dynamic
     assert logprobs(got[:2]) == logprobs(expected)
     assert logprobs(got[2:]) == logprobs(expected[:1])
-    # One body per part kind and input layout, shared by every layer: a per-layer compile would make
-    # hundreds of graphs here (layers x parts x shapes).
-    assert 0 < torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 40
+    # One body per piece, layer kind and input layout, shared by every layer: a per-layer compile
+    # would make hundreds of graphs here (12 layers x 2 pieces x shapes).
+    assert 0 < torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 16
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
