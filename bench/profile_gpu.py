@@ -65,7 +65,28 @@ def main() -> None:
         events = prof.key_averages()
         cuda_total = sum(e.self_device_time_total for e in events) / 1000
         print(f"\n### {name}: wall {wall:.1f} ms, CUDA kernels {cuda_total:.1f} ms", flush=True)
-        print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60), flush=True)
+        print(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60), flush=True)
+
+    # 32 new states in stages, without the profiler: the encoder pass alone, then the decoder pass
+    # and slot reads alone (the same prompts, now cached), then both in one read.
+    for _ in range(2):
+        batch = [specs.read() for _ in range(32)]
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        runner.encode_many([spec.prompt for spec in batch])
+        torch.cuda.synchronize()
+        encode = (time.perf_counter() - started) * 1000
+        started = time.perf_counter()
+        runner.read(batch)
+        torch.cuda.synchronize()
+        decode = (time.perf_counter() - started) * 1000
+        fresh = [specs.read() for _ in range(32)]
+        started = time.perf_counter()
+        runner.read(fresh)
+        torch.cuda.synchronize()
+        whole = (time.perf_counter() - started) * 1000
+    print(f"\n### 32 new states in stages (wall, no profiler): encoder pass + KV copy-out {encode:.1f} ms, "
+          f"decoder pass + slot reads (prompts cached) {decode:.1f} ms, whole read {whole:.1f} ms", flush=True)
 
 
 if __name__ == "__main__":

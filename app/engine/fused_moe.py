@@ -53,24 +53,26 @@ class BlockConfig:
     num_stages: int
 
 
-# Tiles by the pairs an expert gets on average, and past the last row, transformers' grouped_mm:
-# chosen from bench/bench_gpu_moe.py --sweep on an H200 (docs/benchmarks.md). With 128 experts x
-# top-8: up to 128 tokens (a canvas or four), 512 (eight to sixteen canvases, a prompt), 1024 (32
-# canvases). Past that (a batch of prompts) the work is compute-bound and cuBLAS/CUTLASS's grouped
-# GEMM beats these kernels by ~10 % (2.75 vs 2.96 ms a layer at 10,240 tokens), so it keeps it.
+# Tiles by the pairs an expert gets on average, from bench/bench_gpu_moe.py --sweep on an H200
+# (docs/benchmarks.md). With 128 experts x top-8: up to 128 tokens (a canvas or four), 512 (eight to
+# sixteen canvases, a prompt), 1024 (32 canvases), and past that (a batch of prompts) LARGE. There
+# the work is compute-bound and transformers' grouped_mm (cuBLAS/CUTLASS grouped GEMM, its glue
+# compiled) is ~8 % faster (2.75 vs 2.96 ms a layer at 10,240 tokens); the kernels still run, because
+# a choice made outside the custom op would be a size guard in every compiled layer, recompiling
+# each tile range of every shape on first use (seconds each, measured on the H200).
 TILES = ((8, BlockConfig(16, 64, 128, 4, 3)), (32, BlockConfig(32, 64, 128, 4, 3)), (64, BlockConfig(64, 64, 64, 4, 4)))
-LARGE = BlockConfig(128, 128, 64, 8, 3)  # the best tiles past TILES, for a direct call
+LARGE = BlockConfig(128, 128, 64, 8, 3)
 
 
-def block_config(pairs: int, experts: int) -> BlockConfig | None:
-    """The kernels' tiles for `pairs` token-expert pairs over `experts`, or None where grouped_mm is
-    faster. Few pairs an expert: small blocks, each chosen expert's weights streamed once (the
-    kernels are memory-bound there, 3.4 TB/s at one canvas against grouped_mm's 2.5)."""
+def block_config(pairs: int, experts: int) -> BlockConfig:
+    """The kernels' tiles for `pairs` token-expert pairs over `experts`. Few pairs an expert: small
+    blocks, each chosen expert's weights streamed once (memory-bound: 3.4 TB/s at one canvas,
+    against grouped_mm's 2.5); many: large tiles that reuse each weight tile over more rows."""
     per_expert = pairs / max(1, experts)
     for limit, config in TILES:
         if per_expert <= limit:
             return config
-    return None
+    return LARGE
 
 
 def align(top_k_index: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +122,7 @@ def run_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     inter = double_inter // 2
     top_k = top_k_index.shape[1]
     total = tokens * top_k
-    config = config or block_config(total, experts) or LARGE
+    config = config or block_config(total, experts)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     precision = "ieee" if hidden_states.dtype == torch.float32 else "tf32"
     x = hidden_states.contiguous()
@@ -168,13 +170,7 @@ def _custom_op() -> Any:
 
 def experts_forward(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The forward transformers calls for a DiffusionGemma experts module under IMPLEMENTATION: the
-    kernels, or grouped_mm where block_config says it is faster (a static choice per shape, so a
-    compiled or captured pass keeps it)."""
-    if block_config(top_k_index.numel(), module.num_experts) is None:
-        from transformers.integrations.moe import grouped_mm_experts_forward
-
-        return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    """The forward transformers calls for a DiffusionGemma experts module under IMPLEMENTATION."""
     return _custom_op()(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
+import torch._dynamo.utils  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from app.engine import fused_moe  # noqa: E402
@@ -59,10 +60,10 @@ def kernel_cases() -> list[dict]:
         "16": (6, 64, 48, 8, 2),
         "32": (40, 96, 48, 4, 3),
         "64": (100, 64, 160, 4, 2),
-        "128 (LARGE, a direct call)": (300, 64, 32, 2, 2),
+        "128": (300, 64, 32, 2, 2),
     }
     for name, (tokens, hidden, inter, experts, top_k) in shapes.items():
-        config = fused_moe.block_config(tokens * top_k, experts) or fused_moe.LARGE
+        config = fused_moe.block_config(tokens * top_k, experts)
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(tokens, hidden, generator=generator).to(dtype)
             gate_up = (torch.randn(experts, 2 * inter, hidden, generator=generator) / hidden ** 0.5).to(dtype)
@@ -99,23 +100,35 @@ def model_case(checkpoint: str) -> dict:
     canvas = torch.arange(200, 216).unsqueeze(0)
 
     @torch.no_grad()
-    def hidden():
+    def hidden(rows: int = 1):
         cache = DynamicCache()
-        model.model.encoder(input_ids=ids, past_key_values=cache, use_cache=True)
-        return model.model(past_key_values=cache, decoder_input_ids=canvas,
-                           decoder_position_ids=torch.arange(40, 56).unsqueeze(0)).last_hidden_state
+        model.model.encoder(input_ids=ids.expand(rows, -1), past_key_values=cache, use_cache=True)
+        return model.model(past_key_values=cache, decoder_input_ids=canvas.expand(rows, -1),
+                           decoder_position_ids=torch.arange(40, 56).expand(rows, -1)).last_hidden_state
 
     before = model.config._experts_implementation
     library = hidden()
     reason = fused_moe.use_fused_experts(model)
     fused = hidden()
     compile_layers(model, backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
     compiled = hidden()
+    _ = hidden(rows=2)  # a second shape: the pieces compile once more, as dynamic
+    after_two = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    experts = model.config.text_config.num_experts
+    top_k = model.config.text_config.top_k_experts
+    ranges = set()
+    for rows in (3, 5, 9, 17):  # decoder passes of 16-token canvases: every tile range of the tiny model
+        _ = hidden(rows=rows)
+        ranges.add(fused_moe.block_config(rows * 16 * top_k, experts).block_m)
     return {
         "before": before, "after": model.config._experts_implementation, "reason": reason,
         "fused_vs_library": (fused - library).abs().max().item(),
         "compiled_vs_fused": (compiled - fused).abs().max().item(),
         "scale": library.abs().max().item(),
+        "graphs_after_two_sizes": after_two,
+        "graphs_after_more_sizes": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "tile_ranges_read": sorted(ranges),
     }
 
 

@@ -44,33 +44,12 @@ def test_align_sorts_pairs_by_expert_in_padded_blocks(block_m):
     assert experts - 1 not in block_experts.tolist()  # an expert no token chose gets no block
 
 
-def test_tiles_grow_with_the_pairs_an_expert_gets_then_grouped_mm_takes_over():
+def test_tiles_grow_with_the_pairs_an_expert_gets():
     def block_m(tokens, experts=128, top_k=8):
-        config = fused_moe.block_config(tokens * top_k, experts)
-        return config and config.block_m
+        return fused_moe.block_config(tokens * top_k, experts).block_m
 
-    assert [block_m(t) for t in (32, 128, 129, 300, 512, 1024)] == [16, 16, 32, 32, 32, 64]
-    assert block_m(1025) is None and block_m(9600) is None  # a batch of prompts: grouped_mm
-
-
-def test_many_pairs_an_expert_go_through_grouped_mm(monkeypatch):
-    """experts_forward keeps transformers' grouped_mm where the kernels are slower; the kernels are
-    not called (they would raise here: no Triton in this venv)."""
-    from transformers.integrations.moe import grouped_mm_experts_forward
-
-    from tests.engine.fused_moe_checks import Experts
-
-    generator = torch.Generator().manual_seed(1)
-    tokens, hidden, inter, experts, top_k = 600, 32, 16, 4, 2
-    module = Experts(torch.randn(experts, 2 * inter, hidden, generator=generator),
-                     torch.randn(experts, hidden, inter, generator=generator))
-    x = torch.randn(tokens, hidden, generator=generator)
-    index = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=generator)
-    monkeypatch.setattr(fused_moe, "_custom_op", lambda: pytest.fail("the kernels were called"))
-    assert fused_moe.block_config(tokens * top_k, experts) is None
-    assert torch.equal(fused_moe.experts_forward(module, x, index, weights),
-                       grouped_mm_experts_forward(module, x, index, weights))
+    assert [block_m(t) for t in (32, 128, 129, 300, 512, 1024, 1025, 9600)] == [16, 16, 32, 32, 32, 64, 128, 128]
+    assert fused_moe.block_config(9600 * 8, 128) == fused_moe.LARGE  # 32 prompts of 300 tokens
 
 
 def test_a_model_the_kernels_cannot_run_keeps_its_experts(tiny_dir, monkeypatch):
@@ -123,3 +102,12 @@ def test_the_tiny_model_reads_the_same_through_the_kernels_eager_and_compiled(in
     assert (model["before"], model["after"], model["reason"]) == ("grouped_mm", fused_moe.IMPLEMENTATION, None)
     assert model["fused_vs_library"] <= 1e-4 * max(1.0, model["scale"])
     assert model["compiled_vs_fused"] <= 1e-6
+
+
+def test_the_tile_choice_adds_no_recompile_for_new_batch_sizes(interpreted):
+    """The tiles are chosen inside the custom op, so after the first dynamic compile a batch of any
+    size, in any tile range, reuses the compiled layers (a guard per tile range would recompile every
+    layer piece on a server's first batch of each range: seconds each on a GPU)."""
+    model = interpreted["model"]
+    assert len(model["tile_ranges_read"]) >= 3
+    assert model["graphs_after_more_sizes"] == model["graphs_after_two_sizes"]
