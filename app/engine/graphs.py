@@ -28,6 +28,8 @@ from typing import Any, Sequence
 
 import torch
 
+from app.engine.prompt_graphs import copy_all
+
 log = logging.getLogger("djev.engine")
 
 KV_BUCKET = 256
@@ -191,8 +193,10 @@ class DecoderGraphs:
             k, v = first.layers[index]
             length = lengths[layer_type]
             # Room for the canvas after the prompt: the pass writes its own KV there (CanvasKV).
-            full_k = self._view(f"k{index}", (batch, k.shape[1], length + width, k.shape[3]), k.dtype)
-            full_v = self._view(f"v{index}", (batch, v.shape[1], length + width, v.shape[3]), v.dtype)
+            # Token-major ([rows, tokens, heads, dim], seen as [rows, heads, tokens, dim]): a row's
+            # prompt KV is one contiguous block, loaded with the whole batch in one foreach copy.
+            full_k = self._view(f"k{index}", (batch, length + width, k.shape[1], k.shape[3]), k.dtype).transpose(1, 2)
+            full_v = self._view(f"v{index}", (batch, length + width, v.shape[1], v.shape[3]), v.dtype).transpose(1, 2)
             keys.append(full_k[:, :, :length])
             values.append(full_v[:, :, :length])
             cache.update(keys[-1], values[-1], index)
@@ -233,12 +237,12 @@ class DecoderGraphs:
         return graph
 
     def _view(self, name: str, shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
-        """A static KV buffer over storage shared by every graph (graphs never run at once and each
-        replay reloads its KV), sized for `max_token_slots` tokens: the KV memory stays that of one
-        largest batch however many graphs are held."""
+        """A static KV buffer [rows, tokens, heads, dim] over storage shared by every graph (graphs
+        never run at once and each replay reloads its KV), sized for `max_token_slots` tokens: the KV
+        memory stays that of one largest batch however many graphs are held."""
         storage = self._storage.get(name)
         if storage is None:
-            storage = torch.zeros(self.max_token_slots * shape[1] * shape[3], dtype=dtype, device=self.device)
+            storage = torch.zeros(self.max_token_slots * shape[2] * shape[3], dtype=dtype, device=self.device)
             self._storage[name] = storage
         return storage[: math.prod(shape)].view(shape)
 
@@ -267,6 +271,8 @@ class DecoderGraphs:
         masks = {t: torch.zeros(graph.masks[t].shape, dtype=torch.bool) for t in graph.lengths}
         canvas = torch.full((graph.rows, width), self.pad_id, dtype=torch.long)
         positions = torch.zeros((graph.rows, width), dtype=torch.long)
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         start = 0
         while start < len(rows):
             encoded = rows[start][0]
@@ -277,8 +283,9 @@ class DecoderGraphs:
                 k, v = encoded.layers[index]
                 bucket = graph.lengths[layer_type]
                 n = k.shape[2]
-                graph.keys[index][start:end, :, bucket - n:].copy_(k.expand(end - start, -1, -1, -1))
-                graph.values[index][start:end, :, bucket - n:].copy_(v.expand(end - start, -1, -1, -1))
+                for row in range(start, end):
+                    targets += [graph.keys[index][row, :, bucket - n:], graph.values[index][row, :, bucket - n:]]
+                    sources += [k[0], v[0]]
             for row in range(start, end):
                 canvas_ids = rows[row][1]
                 canvas[row, : len(canvas_ids)] = torch.tensor(canvas_ids, dtype=torch.long)
@@ -292,6 +299,7 @@ class DecoderGraphs:
         for row in range(len(rows), graph.rows):  # padding rows attend to their own canvas: no NaN
             for layer_type, bucket in graph.lengths.items():
                 masks[layer_type][row, :, :, bucket:bucket + width] = True
+        copy_all(targets, sources)
         for layer_type in graph.lengths:
             graph.masks[layer_type].copy_(masks[layer_type])
         graph.canvas.copy_(canvas)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from app.engine import pixels
 from app.engine.base import EngineInputError, Prompt, decode_images
 from app.engine.pixels import Resized
+from app.engine.prompt_graphs import copy_token_major
 
 
 @dataclass
@@ -388,15 +389,15 @@ class PromptEncodingMixin:
         cache = self._new_cache()
         self.model.model.encoder.language_model(inputs_embeds=embeds, attention_mask=attention,
                                                 position_ids=positions, past_key_values=cache)
-        rows = []
+        sources = []
         for row, length in enumerate(lengths):
-            layers = []
             for layer in cache.layers:
-                kept = layer.keys.shape[2]
-                start = max(0, kept - length)  # drop the left padding this layer still holds
-                layers.append((layer.keys[row:row + 1, :, start:].clone(), layer.values[row:row + 1, :, start:].clone()))
-            rows.append(layers)
-        return rows
+                start = max(0, layer.keys.shape[2] - length)  # drop the left padding this layer still holds
+                sources += [layer.keys[row:row + 1, :, start:], layer.values[row:row + 1, :, start:]]
+        copies = copy_token_major(sources)  # laid out as the encoder graphs leave KV (prompt_graphs.py)
+        pairs = list(zip(copies[::2], copies[1::2]))
+        per_row = len(cache.layers)
+        return [pairs[row * per_row:(row + 1) * per_row] for row in range(len(lengths))]
 
     def _too_long(self, length: int) -> EngineInputError:
         return EngineInputError(

@@ -76,6 +76,9 @@ def test_graphs_share_one_set_of_kv_buffers_and_cap_conditioning(tiny_dir, token
     runner.graphs.hidden([(encoded, canvas)] * 3)
     first, second = runner.graphs.graphs.values()
     assert first.keys[0].data_ptr() == second.keys[0].data_ptr()  # views of the same storage
+    # The storage holds max_token_slots tokens of every layer's KV (prompt and canvas), no more.
+    per_token = sum(k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3] for k, v in encoded.layers)
+    assert runner.graphs.memory_bytes == runner.graphs.max_token_slots * per_token * encoded.layers[0][0].element_size()
     conditioning = torch.zeros(1, len(canvas), runner.vocab_size)
     assert runner.graphs.hidden([(encoded, canvas)], conditioning) is None  # past max_conditioning: eager
 

@@ -171,3 +171,20 @@ def test_a_long_or_image_generation_prompt_stays_on_the_eager_pass(tiny_dir, tok
     image = ImageInput(b"not read here", "image/png", "frame")
     assert not graphed._graph_encodable(Prompt((1, 2, 3), (image,)))
     assert graphed._graph_encodable(Prompt(tuple(tokenizer.render_chat("Think.", "a state", 0, True))))
+
+
+def test_kv_is_copied_token_major_in_one_call():
+    """copy_token_major: copies laid out [rows, tokens, heads, dim] (a row's KV one contiguous block,
+    so a batch's copies can take foreach's fast path), equal to their sources whatever their layout."""
+    from app.engine.prompt_graphs import copy_all, copy_token_major
+
+    generator = torch.Generator().manual_seed(0)
+    head_major = torch.randn(1, 4, 7, 8, generator=generator)
+    token_major_source = torch.randn(2, 9, 4, 8, generator=generator).transpose(1, 2)[1:2, :, 2:7]
+    copies = copy_token_major([head_major, token_major_source])
+    for copy, source in zip(copies, [head_major, token_major_source]):
+        assert torch.equal(copy, source)
+        assert copy.transpose(1, 2).is_contiguous()  # token-major storage
+    targets = [torch.zeros(4, 7, 8), torch.zeros(2, 9, 4, 8).transpose(1, 2)[0, :, 2:7]]
+    copy_all(targets, [head_major[0], token_major_source[0]])
+    assert torch.equal(targets[0], head_major[0]) and torch.equal(targets[1], token_major_source[0])
