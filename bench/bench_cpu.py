@@ -12,7 +12,10 @@ Measured in ONE run, so the ratios compare numbers taken side by side on the sam
                 whose one route reads the body and returns a fixed JSON reply: what the client, the
                 loopback and uvicorn cost before any of djev's code runs.
     The differences are the decision logic (decision - engine) and the HTTP layer (http - decision);
-    http_p50 / engine_p50 is the overhead ratio. Two conditions: "repeat" sends the same decision
+    http_p50 / engine_p50 is the overhead ratio. With --server process (the default) the djev server
+    and the floor app each run in their own process, as `djev serve` does and as a real client sees
+    them; with --server thread they run in threads of this process, beside the client and the
+    in-process reader (the harness of the earlier runs: one GIL for all of it). Two conditions: "repeat" sends the same decision
     every time (its prompt KV is cached, so a read is one decoder pass) and "unique" gives every
     request its own state (an encoder pass plus a decoder pass, like distinct tickets).
 
@@ -23,7 +26,8 @@ Measured in ONE run, so the ratios compare numbers taken side by side on the sam
     app/engine/diffusion.py). The clients run in a separate process so they do not share the
     server's GIL (they do share the CPU cores; see --torch-threads).
 
-Usage: python bench/bench_cpu.py [--seconds 10] [--levels 1,8,32] [--reads 150] [--torch-threads N] [--json OUT]
+Usage: python bench/bench_cpu.py [--seconds 10] [--levels 1,8,32] [--reads 150] [--server process|thread]
+                                 [--torch-threads N] [--json OUT]
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ import math
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack, contextmanager
 from multiprocessing import get_context
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Sequence
 
 from app.config import Settings
 
@@ -123,6 +128,70 @@ async def read_spec_for(recorder: SpecRecorder, body: dict[str, Any]) -> ReadSpe
 
 
 # ---------------------------------------------------------------------------------------- (a)
+
+class RemoteStats:
+    """A server process's reader counters, read from its /metrics (`djev_hf_<name>_total`) when asked,
+    which the timed loops do only between calls."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    @property
+    def stats(self) -> dict[str, float]:
+        import httpx
+
+        text = httpx.get(f"{self.url}/metrics", timeout=HTTP_TIMEOUT_S).text
+        stats = {}
+        for line in text.splitlines():
+            if line.startswith("djev_hf_") and "_total " in line:
+                name, value = line.split(" ")
+                stats[name.removeprefix("djev_hf_").removesuffix("_total")] = float(value)
+        return stats
+
+
+def _serve(which: str, checkpoint: Path, port: int, threads: int) -> None:
+    """A server process's body: the real app on its own tiny reader (`tiny_server`'s settings), or the
+    floor app, under uvicorn with the options `djev serve` uses."""
+    import uvicorn
+
+    from app.server import create_app
+
+    set_torch_threads(threads)
+    if which == "djev":
+        config = Settings(host="127.0.0.1", pages=False, log_level="warning")
+        app = create_app(config, tiny_reader(checkpoint, config))
+    else:
+        app = floor_app()
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, proxy_headers=False,
+                lifespan="on")
+
+
+@contextmanager
+def server_process(which: str, checkpoint: Path, threads: int) -> Iterator[str]:
+    """`_serve` in a spawned process on a free port; yields its base URL once it answers."""
+    import httpx
+
+    from app.server import free_port
+
+    port = free_port()
+    process = get_context("spawn").Process(target=_serve, args=(which, checkpoint, port, threads), daemon=True)
+    process.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            try:
+                httpx.get(f"{url}/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                if not process.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"the {which} server process did not start") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.join(timeout=30)
+
 
 def floor_app() -> Any:
     """A bare Starlette app: one POST route that reads the body and answers a fixed JSON reply."""
@@ -370,6 +439,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls per path first (default 5)")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads for the server (default: usable cores - 1, at least 1)")
+    parser.add_argument("--server", choices=("process", "thread"), default="process",
+                        help="the djev server and the floor app in their own processes (default; as `djev serve` "
+                             "runs) or in threads of the bench process (the earlier harness)")
     parser.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     args.levels = [int(level) for level in args.levels.split(",") if level.strip()]
@@ -383,16 +455,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     threads = set_torch_threads(args.torch_threads)
     info = machine()
     checkpoint = tiny_checkpoint()
-    with tiny_server(checkpoint) as (url, server_reader), live_server(floor_app()) as floor_url:
+    with ExitStack() as stack:
+        if args.server == "process":
+            url = stack.enter_context(server_process("djev", checkpoint, threads))
+            floor_url = stack.enter_context(server_process("floor", checkpoint, threads))
+            server_reader: Any = RemoteStats(url)
+        else:
+            url, server_reader = stack.enter_context(tiny_server(checkpoint))
+            floor_url = stack.enter_context(live_server(floor_app()))
         single = asyncio.run(single_decision(url, server_reader, checkpoint, args.reads, args.warmup, floor_url))
         curve = concurrency_curve(url, server_reader, args.levels, args.seconds)
     print(header("bench_cpu: engine vs decision vs HTTP, and concurrency (tiny model)", info))
+    print(f"server: {'its own process (as `djev serve`)' if args.server == 'process' else 'a thread of this process'}")
     print()
     print(report(single, curve))
     if args.json_out:
         path = write_json(args.json_out, {"machine": info, "model": "tiny random-weight (app/engine/tiny.py)",
                                           "args": {"seconds": args.seconds, "levels": args.levels,
                                                    "reads": args.reads, "warmup": args.warmup,
+                                                   "server": args.server,
                                                    "torch_threads": threads},
                                           "single": single, "curve": curve})
         print(f"\nresults: {path}")

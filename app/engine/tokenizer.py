@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from typing import Any, Sequence
@@ -11,6 +12,12 @@ from app.engine.base import ChatTokenizer
 # While the chat template renders, private-use stand-ins hold the place of the caller's text. They
 # are cut out again and the caller's text is tokenized on its own with special-token strings kept as
 # plain text, so a state that contains "<turn|>" cannot close the turn early.
+
+
+# Texts up to this many characters keep their ids in a per-tokenizer LRU of this many entries (a few
+# MiB at most): a decision's questions, labels and template rows repeat from one request to the next.
+ENCODE_CACHE_CHARS = 4096
+ENCODE_CACHE_ENTRIES = 4096
 
 
 class HFChatTokenizer(ChatTokenizer):
@@ -33,6 +40,9 @@ class HFChatTokenizer(ChatTokenizer):
         # to share between threads; they are serialised here.
         self._lock = threading.RLock()
         self._skeletons: dict[tuple, tuple[list[str | int], ...]] = {}
+        # A decision encodes its questions' text, labels and template rows again for every state;
+        # only the state changes between tickets. functools' cache is thread-safe.
+        self._encode_cached = functools.lru_cache(maxsize=ENCODE_CACHE_ENTRIES)(self._encode_uncached)
         self.vocab_size = vocab_size
         self.image_placeholder_id = image_token_id
         self.pad_id = self._special_id("<pad>", tokenizer.pad_token_id)
@@ -54,7 +64,12 @@ class HFChatTokenizer(ChatTokenizer):
         return list(self._special.encode(text, add_special_tokens=False).ids) if text else []
 
     def encode(self, text: str) -> list[int]:
-        return list(self._plain.encode(text, add_special_tokens=False).ids) if text else []
+        if len(text) <= ENCODE_CACHE_CHARS:
+            return list(self._encode_cached(text))
+        return list(self._plain.encode(text, add_special_tokens=False).ids)
+
+    def _encode_uncached(self, text: str) -> tuple[int, ...]:
+        return tuple(self._plain.encode(text, add_special_tokens=False).ids) if text else ()
 
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
