@@ -67,7 +67,7 @@ def compile_layers(model: Any, backend: str = "inductor") -> int:
 def warm_up(runner: Any, canvas_length: int, rows: tuple[int, ...] = (1, 2)) -> float:
     """Compile before the first request does: one text read at each of `rows` batch sizes (the
     first compiles each part for its shapes, the second once more as dynamic), through the runner's
-    own path, CUDA graphs included. Returns the seconds it took (about 25 s on an H200, measured);
+    own path, CUDA graphs included. Returns the seconds it took (about 50 s on an H200, measured);
     the prompt KV these reads leave in the LRU is dropped."""
     import time
 

@@ -9,7 +9,10 @@ type's prompt KV length to a multiple of KV_BUCKET, the canvas width as it is (a
 CANVAS_STEP). A read is loaded into static buffers (prompt KV left-padded, an explicit mask keeping
 each canvas on its own prompt and width, exactly as the eager path does) and the graph is replayed.
 Graphs share one memory pool and one set of static KV buffers (sized for `max_token_slots` tokens,
-so the memory they hold does not grow with their number), and are kept in a small LRU. Passes with
+so the memory they hold does not grow with their number), and are kept in a small LRU. The buffers
+are laid out token by token and keep room for the canvas after the prompt: a batch's prompt KV is
+loaded in one foreach copy, and the pass writes the canvas's KV in place (CanvasKV) instead of
+concatenating it with the prompt's in every layer. Passes with
 self-conditioning logits (a multi-step read's later steps, a generation's denoise passes) replay
 graphs keyed with a static conditioning input. Shapes past the size caps, or a capture that fails,
 go down the eager path.
