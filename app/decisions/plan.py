@@ -10,21 +10,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from app.decisions.errors import RequestError
 from app.decisions.questions import Question
 
 
 def stages(questions: Sequence[Question]) -> list[list[Question]]:
-    """Layer the questions by dependency. A dependency outside `questions` counts as answered."""
+    """Layer the questions by dependency. A dependency outside `questions` counts as answered.
+
+    The questions are a validated decision's (or some of them): `parse_decision` refuses a cycle
+    (app/decisions/models.py), and a part of an acyclic graph is acyclic, so every pass layers at
+    least one question."""
     present = {q.qid for q in questions}
     done: set[str] = set()
     pending = list(questions)
     layers: list[list[Question]] = []
     while pending:
         layer = [q for q in pending if all(dep in done or dep not in present for dep in q.depends_on)]
-        if not layer:
-            ids = ", ".join(q.qid for q in pending)
-            raise RequestError(f"schema: dependency cycle among {ids}", ("questions",))
+        if not layer:  # unreachable for validated questions; never loop forever on others
+            raise RuntimeError("a dependency cycle: questions must come from parse_decision, which refuses them")
         layers.append(layer)
         done.update(q.qid for q in layer)
         pending = [q for q in pending if q.qid not in done]

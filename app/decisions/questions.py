@@ -38,7 +38,7 @@ def _description(value: Any) -> str | None:
     """A description as the prompt shows it; none for null or blank text."""
     if value is None:
         return None
-    return (value.strip() if isinstance(value, str) else json.dumps(value, ensure_ascii=False)) or None
+    return render_content(value) or None
 
 
 def at_most_entries(value: Any, limit: int) -> Any:

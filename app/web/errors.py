@@ -50,10 +50,17 @@ DEFAULT_TYPES = {
 RETRY_AFTER_SECONDS = 1
 RETRY_HEADERS = {"retry-after": str(RETRY_AFTER_SECONDS), "retry-after-ms": str(RETRY_AFTER_SECONDS * 1000)}
 
-# Websocket close codes by status, for errors that end a camera session (RFC 6455 §7.4.1 and the
-# IANA registry): 1008 policy, 1009 too big, 1003 unsupported data, 1013 try again later, 1011 the
-# server failed.
-_CLOSE_CODES = {401: 1008, 403: 1008, 413: 1009, 415: 1003, 422: 1003, 503: 1013, 529: 1013}
+# Websocket close codes, the only place they are defined (RFC 6455 §7.4.1 and the IANA registry; a
+# camera session's are documented in README.md).
+CLOSE_AUTH = 1008  # policy violation: no or wrong key, and any refusal given no other code
+CLOSE_UNSUPPORTED = 1003  # unsupported data: not JSON, not an image, an unknown message type
+CLOSE_TOO_BIG = 1009  # a frame or message over the size limit
+CLOSE_INTERNAL = 1011  # the server failed (a loop of a session, any 5xx)
+CLOSE_TRY_LATER = 1013  # try again later: MAX_SESSIONS sessions are open, or the engine is not running
+CLOSE_FLOOD = 4029  # a private code: more messages than the rate limit allows
+# The close code by status, for errors that end a camera session.
+_CLOSE_CODES = {401: CLOSE_AUTH, 403: CLOSE_AUTH, 413: CLOSE_TOO_BIG, 415: CLOSE_UNSUPPORTED, 422: CLOSE_UNSUPPORTED,
+                503: CLOSE_TRY_LATER, 529: CLOSE_TRY_LATER}
 
 
 class HTTPError(Exception):
@@ -133,7 +140,7 @@ class ErrorReply:
     @property
     def close_code(self) -> int:
         """The websocket close code for this error when it ends a camera session."""
-        return _CLOSE_CODES.get(self.status, 1011 if self.status >= 500 else 1008)
+        return _CLOSE_CODES.get(self.status, CLOSE_INTERNAL if self.status >= 500 else CLOSE_AUTH)
 
     @property
     def message(self) -> str:

@@ -18,13 +18,19 @@ from app.decisions.run import Outcome
 from app.web.answers import chat_content
 from app.web.body import read_raw
 from app.web.errors import error_reply, render_json
-from app.web.raw import usage
 from app.web.services import services
 from app.web.work import decide, options_in, prepare, rendered
 
 
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def completion(model: str, content: str, prompt_tokens: int, completion_tokens: int,
                finish_reason: str = "stop") -> dict:
+    """An OpenAI `chat.completion` body: the chat form's reply here and raw generation's whole reply
+    (app/web/raw.py), written in this one place."""
     return {
         "id": "chatcmpl-" + secrets.token_hex(12),
         "object": "chat.completion",

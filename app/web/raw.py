@@ -27,8 +27,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from app.engine.base import GenerateSpec, Prompt
-from app.web.body import parse_payload, read_raw
+from app.web.body import RawBody, parse_payload, read_raw
 from app.web.errors import ClientGone, HTTPError, error_reply, json_response
+from app.web.openai import completion, usage
 from app.web.raw_request import RAW_DEFAULT_MAX_TOKENS, RawRequest, StopCutter, cut_at_stop, parse_raw
 from app.web.services import Services, services
 from app.web.work import guarded
@@ -82,9 +83,10 @@ def _sse(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, allow_nan=False).encode("utf-8") + b"\n\n"
 
 
-def _render(svc: Services, body: Any) -> tuple[RawRequest, tuple[int, ...]]:
-    """Read the body and render the prompt (blocking: worker pool)."""
-    request = parse_raw(body, svc.settings.default_seed)
+def _prepare(svc: Services, raw: RawBody) -> tuple[RawRequest, tuple[int, ...]]:
+    """Parse and read the body and render the prompt (blocking: `Services.prepare` runs it inline
+    for a small plain body, in the worker pool otherwise)."""
+    request = parse_raw(parse_payload(raw, svc.settings.max_body_bytes).body, svc.settings.default_seed)
     ids = tuple(svc.reader.tokenizer.render_messages(list(request.messages), 0, thinking=False))
     return request, ids
 
@@ -94,47 +96,42 @@ def _spec(svc: Services, request: RawRequest, ids: tuple[int, ...]) -> GenerateS
                         temperature=request.temperature, top_p=request.top_p)
 
 
+def _served_model(svc: Services, request: RawRequest) -> str:
+    return request.model or svc.reader.info.model
+
+
 class _Reply:
-    """The fields every completion and chunk of one reply share."""
+    """The fields every chunk of one streamed reply shares."""
 
     def __init__(self, svc: Services, request: RawRequest) -> None:
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.created = int(time.time())
-        self.model = request.model or svc.reader.info.model
+        self.model = _served_model(svc, request)
 
     def chunk(self, delta: dict, finish_reason: str | None = None, **extra: Any) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}], **extra}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
 async def raw_chat_completions(request: Request) -> Response:
     svc = services(request)
     raw = await read_raw(request, svc.settings.max_body_bytes)
-    body = (await svc.offload(parse_payload, raw, svc.settings.max_body_bytes)).body
     relay = getattr(svc.reader, "relay_chat", None)
     if relay is not None:
-        return await _relay(svc, request, relay, body)
-    parsed, ids = await svc.offload(_render, svc, body)
+        payload = await svc.prepare(parse_payload, raw.inline_size, raw, svc.settings.max_body_bytes)
+        return await _relay(svc, request, relay, payload.body)
+    parsed, ids = await svc.prepare(_prepare, raw.inline_size, svc, raw)
     svc.admission.check_fits(parsed.max_tokens, "max_tokens")
     spec = _spec(svc, parsed, ids)
     if parsed.stream:
         return Streamed(svc, parsed.max_tokens, lambda: _open_events(svc, parsed, spec))
     with svc.admission.admit(parsed.max_tokens):
         result = await guarded(svc, lambda: svc.reader.generate(spec), request.receive)
-    text = await svc.offload(svc.reader.tokenizer.decode, result.ids)
-    text, cut = cut_at_stop(text, parsed.stop)
-    reply = _Reply(svc, parsed)
-    return json_response({
-        "id": reply.id, "object": "chat.completion", "created": reply.created, "model": reply.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": "stop" if cut or result.stopped else "length"}],
-        "usage": usage(result.prompt_tokens, len(result.ids)),
-    })
+    # The decode takes the tokenizer's lock, which a worker rendering a template may hold: off the
+    # loop (one trip, against a generation of many passes).
+    text, cut = cut_at_stop(await svc.offload(svc.reader.tokenizer.decode, result.ids), parsed.stop)
+    return json_response(completion(_served_model(svc, parsed), text, result.prompt_tokens, len(result.ids),
+                                    "stop" if cut or result.stopped else "length"))
 
 
 async def _open_events(svc: Services, request: RawRequest, spec: GenerateSpec) -> Opened:

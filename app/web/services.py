@@ -7,6 +7,7 @@ app/server.py, so the wiring reads one way: server → web.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
@@ -47,15 +48,11 @@ class Services:
     @classmethod
     def build(cls, settings: Settings, reader: Reader) -> "Services":
         workers = anyio.CapacityLimiter(WORKER_THREADS)
-
-        async def offload(fn: Callable[..., Any], *args: Any) -> Any:
-            return await anyio.to_thread.run_sync(fn, *args, limiter=workers)
-
         return cls(
             settings=settings,
             reader=reader,
             # The decider plans in the same bounded pool as parsing and validation.
-            decider=Decider(reader, settings.read_settings, offload=offload),
+            decider=Decider(reader, settings.read_settings, offload=functools.partial(_offload_in, workers)),
             admission=Admission(settings.max_inflight, settings.max_inflight_cost),
             workers=workers,
         )
@@ -68,13 +65,19 @@ class Services:
         return await self.offload(fn, *args)
 
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run blocking `fn(*args)` in the worker pool. Cancelling the caller waits for the thread
-        to finish its (bounded) work and drops the result."""
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self.workers)
+        """Run blocking `fn(*args)` in the worker pool."""
+        return await _offload_in(self.workers, fn, *args)
 
     def plan(self, decision: Decision) -> Plan:
         """What a decision will read and cost (blocking: call it in a worker thread)."""
         return self.decider.plan(decision)
+
+
+async def _offload_in(workers: anyio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
+    """Run blocking `fn(*args)` in a thread of `workers`: `Services.offload`, and the decider's
+    offload, made before the Services that holds the pool. Cancelling the caller waits for the
+    thread to finish its (bounded) work and drops the result."""
+    return await anyio.to_thread.run_sync(fn, *args, limiter=workers)
 
 
 def services(conn: HTTPConnection) -> Services:

@@ -32,20 +32,13 @@ from app.decisions.request import Decision, parse_decision
 from app.engine.base import ImageInput
 from app.web.answers import jev_body
 from app.web.auth import key_matches
-from app.web.errors import HTTPError, error_reply
+from app.web.errors import (CLOSE_AUTH, CLOSE_FLOOD, CLOSE_TOO_BIG, CLOSE_TRY_LATER, CLOSE_UNSUPPORTED, HTTPError,
+                            error_reply)
 from app.web.images import check_images
 from app.web.services import Services
 from app.web.work import Prepared, decide, priced_plan, unwrap
 
 log = logging.getLogger("djev.stream")
-
-# Close codes (documented in README.md).
-CLOSE_AUTH = 1008  # policy violation: no or wrong key
-CLOSE_UNSUPPORTED = 1003  # not JSON, not an image, an unknown message type
-CLOSE_TOO_BIG = 1009  # a frame or message over the size limit
-CLOSE_FLOOD = 4029  # more messages than the rate limit allows
-CLOSE_INTERNAL = 1011  # a loop of the session failed (the error map's close code for a 5xx)
-CLOSE_TRY_LATER = 1013  # MAX_SESSIONS sessions are open
 
 AUTH_TIMEOUT_S = 10.0
 MAX_TEXT_BYTES = 64 * 1024  # a config or control message; frames sent as JSON may be as large as an image

@@ -18,7 +18,7 @@ import app.web.stream as stream_module
 from app.config import Settings
 from app.engine.base import EngineUnavailable
 from app.server import create_app
-from app.web.stream import CLOSE_INTERNAL, CLOSE_TRY_LATER
+from app.web.errors import CLOSE_INTERNAL, CLOSE_TRY_LATER
 from tests.conftest import live_server
 from tests.fakes import ScriptedReader
 from tests.web.test_stream import GREY, WALK, closed_with, configure, receive, ws_url
