@@ -177,19 +177,20 @@ TINY_IMAGE_SOFT_TOKENS = 70
 
 def build_generation_config(tokenizer):
     """The sampler settings, written as numbers: vLLM reads generation_config.json and fails on nulls.
-    The values are transformers' DiffusionGemma defaults."""
+    The values are transformers' DiffusionGemma defaults, as the hf engine keeps them (imported here,
+    not at the top: the tiny model's name and marker check need neither torch nor the engine)."""
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
         DiffusionGemmaGenerationConfig,
         EntropyBoundSamplerConfig,
     )
 
+    from app.engine.diffusion import GENERATION_DEFAULTS
+
+    sampler = dict(GENERATION_DEFAULTS)
+    entropy_bound = sampler.pop("entropy_bound")
     return DiffusionGemmaGenerationConfig(
-        max_denoising_steps=48,
-        t_min=0.4,
-        t_max=0.8,
-        stability_threshold=1,
-        confidence_threshold=0.005,
-        sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
+        **sampler,
+        sampler_config=EntropyBoundSamplerConfig(entropy_bound=entropy_bound),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

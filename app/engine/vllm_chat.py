@@ -14,12 +14,17 @@ routes.
 from __future__ import annotations
 
 import base64
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from app.engine.base import EngineInputError, ImageInput, Prompt
 
 IMAGE_PART = "image"  # a content part that stands for the next image of the prompt
+
+# Conversation shapes whose rendered template is kept (shapes are few; the bound keeps odd callers
+# from growing it).
+SKELETON_SHAPES = 256
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,9 @@ class ChatFormer:
         self.turn_open = self._single_id("<|turn>")
         self.turn_close = self._single_id("<turn|>")
         self.think_marker = "<|think|>"
+        # Per shape: the template rendered over stand-ins, as its text and the stand-ins' indices
+        # (None: the template does not copy stand-ins through, so that shape is rendered in full).
+        self._skeletons: dict[tuple, tuple[str | int, ...] | None] = {}
 
     def _single_id(self, token: str) -> int:
         ids = self.raw.encode(token, add_special_tokens=False)
@@ -137,7 +145,56 @@ class ChatFormer:
         return role, parts
 
     def render(self, form: ChatForm) -> str:
-        """The text the checkpoint's template makes of `form` (vLLM renders the same template)."""
+        """The text the checkpoint's template makes of `form` (vLLM renders the same template).
+
+        Image reads repeat a few conversation shapes with new texts, so the template is rendered
+        once per shape (roles, where the images and the empty texts are, the switches) over
+        stand-ins for the texts, and the texts are put in place of the stand-ins, as djev's prompt
+        ids were built (`HFChatTokenizer`). The stand-ins are padded with spaces: a template that
+        changes a text (trims it, say) does not copy them through, and its shapes are rendered in
+        full every time."""
+        texts: list[str] = []
+
+        def stand_in(text: str) -> str:
+            if not text:
+                return text  # an empty text stays empty: a template may test for it
+            texts.append(text)
+            return f" \ue000djev-{len(texts) - 1}\ue001 "
+
+        messages: list[dict] = []
+        shape: list[tuple] = []
+        for message in form.messages:
+            content = message["content"]
+            if isinstance(content, list):
+                content = [part if part == IMAGE_PART else stand_in(part) for part in content]
+                shape.append((message["role"], tuple(content)))
+            else:
+                content = stand_in(content)
+                shape.append((message["role"], content))
+            messages.append({"role": message["role"], "content": content})
+        key = (tuple(shape), form.thinking, form.continue_final)
+        if key in self._skeletons:
+            skeleton = self._skeletons[key]
+        else:
+            skeleton = self._skeleton(ChatForm(tuple(messages), form.thinking, form.continue_final), len(texts))
+            if len(self._skeletons) < SKELETON_SHAPES:
+                self._skeletons[key] = skeleton
+        return self._render_template(form) if skeleton is None else _filled(skeleton, texts)
+
+    def _skeleton(self, blank: ChatForm, texts: int) -> tuple[str | int, ...] | None:
+        """`blank` (texts as stand-ins 0..texts-1) rendered, each stand-in as its index; None where
+        a stand-in does not come through exactly once."""
+        rendered = self._render_template(blank)
+        stand_ins = {f" \ue000djev-{index}\ue001 ": index for index in range(texts)}
+        if any(rendered.count(stand_in) != 1 for stand_in in stand_ins):
+            return None
+        if not stand_ins:
+            return (rendered,)
+        pattern = "(" + "|".join(re.escape(stand_in) for stand_in in stand_ins) + ")"
+        return tuple(stand_ins.get(piece, piece) for piece in re.split(pattern, rendered) if piece)
+
+    def _render_template(self, form: ChatForm) -> str:
+        """`form` through the checkpoint's chat template."""
         messages = []
         for message in form.messages:
             content = message["content"]
@@ -154,3 +211,7 @@ class ChatFormer:
     def _refuse(why: str) -> EngineInputError:
         return EngineInputError(
             f"this prompt cannot go through vLLM's chat route (needed for images): {why}", status=422, param="images")
+
+
+def _filled(skeleton: tuple[str | int, ...], texts: Sequence[str]) -> str:
+    return "".join(texts[piece] if isinstance(piece, int) else piece for piece in skeleton)

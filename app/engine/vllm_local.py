@@ -51,11 +51,13 @@ from app.engine.vllm_chat_serving import InProcessChat
 from app.engine.vllm_wire import (
     STOCK_LOGPROB_ID_CAP,
     CanvasAnswer,
+    CheckpointConfig,
+    ChunkCutter,
     label_id_groups,
     load_tokenizer,
     merge_answers,
     read_extra_args,
-    read_result,
+    read_results,
 )
 
 log = logging.getLogger("djev.engine")
@@ -126,12 +128,11 @@ def load_vllm_reader(checkpoint: str | Path, options: VLLMOptions) -> "VLLMReade
     except ImportError as exc:
         raise ImportError(f"{VLLM_MISSING} ({exc})") from None
     path = Path(checkpoint)
-    tokenizer, _ = load_tokenizer(path)
-    config = json.loads((path / "config.json").read_text())
-    window = int((config.get("text_config") or config).get("sliding_window") or 0)
+    config = CheckpointConfig.read(path)
+    tokenizer, _ = load_tokenizer(path, config)
     info = ReaderInfo(model=options.served_name or path.name, engine="vllm", device="starting",
                       tiny=options.tiny, canvas_length=options.canvas_length, checkpoint=str(path))
-    return VLLMReader(path, tokenizer, info, options, window)
+    return VLLMReader(path, tokenizer, info, options, config.sliding_window)
 
 
 class VLLMReader:
@@ -235,16 +236,14 @@ class VLLMReader:
     async def read(self, specs: Sequence[ReadSpec]) -> list[ReadResult]:
         engine = self._running()
         inputs = [await self._engine_input(spec.prompt, spec.width) for spec in specs]
-        jobs = [self._read_canvas(engine, spec, prompt, canvas) for spec, prompt in zip(specs, inputs)
-                for canvas in spec.canvases]
-        answers = await gather_or_cancel(jobs)
-        results, offset = [], 0
-        for spec in specs:
-            mine = answers[offset:offset + len(spec.canvases)]
-            offset += len(spec.canvases)
-            result = read_result(spec, mine)
+        jobs = []
+        for spec, prompt in zip(specs, inputs):
+            # A spec's label ids are grouped (and its slots gathered) once, for all its canvases.
+            groups, slots = label_id_groups(spec, self._logprob_cap), frozenset(spec.slots)
+            jobs += [self._read_canvas(engine, spec, prompt, canvas, groups, slots) for canvas in spec.canvases]
+        results = read_results(specs, await gather_or_cancel(jobs))
+        for spec, result in zip(specs, results):
             self._warn_past_window(result.prompt_tokens + spec.width)
-            results.append(result)
         self.counts["reads"] += len(specs)
         return results
 
@@ -256,12 +255,13 @@ class VLLMReader:
                     "djev_vllm_patch has not verified: its slot probabilities may differ from the hf engine's",
                     tokens, self.sliding_window)
 
-    async def _read_canvas(self, engine: Any, spec: ReadSpec, prompt: dict, canvas: tuple[int, ...]) -> CanvasAnswer:
+    async def _read_canvas(self, engine: Any, spec: ReadSpec, prompt: dict, canvas: tuple[int, ...],
+                           groups: Sequence[tuple[int, ...]], slots: frozenset[int]) -> CanvasAnswer:
+        """One canvas, one request per group of label ids (`label_id_groups`), answers merged."""
         from vllm import SamplingParams
 
         parts = []
-        slots = frozenset(spec.slots)
-        for ids in label_id_groups(spec, self._logprob_cap):
+        for ids in groups:
             params = SamplingParams(max_tokens=len(canvas), logprob_token_ids=list(ids),
                                     extra_args=read_extra_args(spec, canvas))
             parts.append(self._final(engine, prompt, params, slots))
@@ -333,26 +333,19 @@ class VLLMReader:
         prompt = await self._engine_input(spec.prompt, 0)
         params = SamplingParams(max_tokens=spec.max_tokens, stop_token_ids=list(spec.stop_ids), top_p=spec.top_p,
                                 output_kind=RequestOutputKind.DELTA)
-        stops = set(spec.stop_ids)
-        produced = 0
-        prompt_tokens = len(spec.prompt.ids)
+        cutter = ChunkCutter(spec)
         self.counts["generations"] += 1
         try:
             async for output in engine.generate(prompt, params, f"djev-generate-{next(self._ids)}"):
-                prompt_tokens = len(output.prompt_token_ids or ()) or prompt_tokens
+                cutter.prompt_tokens = len(output.prompt_token_ids or ()) or cutter.prompt_tokens
                 choice = output.outputs[0]
-                ids = [int(t) for t in choice.token_ids]
-                cut = next((i for i, token in enumerate(ids) if token in stops), None)
-                ids = (ids if cut is None else ids[:cut])[:spec.max_tokens - produced]
-                produced += len(ids)
-                finished = cut is not None or output.finished
-                stopped = cut is not None or choice.finish_reason == "stop"
-                yield GenerateChunk(ids=tuple(ids), done=finished, stopped=stopped, prompt_tokens=prompt_tokens)
-                if finished:
+                chunk = cutter.chunk(choice.token_ids, output.finished, choice.finish_reason)
+                yield chunk
+                if chunk.done:
                     return
         except Exception as exc:  # noqa: BLE001
             raise engine_error("the generation", exc) from None
-        yield GenerateChunk(ids=(), done=True, stopped=False, prompt_tokens=prompt_tokens)
+        yield cutter.end()
 
 
 def engine_error(what: str, exc: BaseException) -> EngineError:

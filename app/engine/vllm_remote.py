@@ -40,8 +40,9 @@ from app.engine.vllm_chat import ChatFormer
 from app.engine.vllm_wire import (
     STOCK_LOGPROB_ID_CAP,
     CanvasAnswer,
+    CheckpointConfig,
+    ChunkCutter,
     UpstreamAnswerError,
-    checkpoint_ids,
     collapse_images,
     completion_read_body,
     label_id_groups,
@@ -50,7 +51,7 @@ from app.engine.vllm_wire import (
     parse_chat_read,
     parse_completion_read,
     read_extra_args,
-    read_result,
+    read_results,
 )
 
 log = logging.getLogger("djev.engine")
@@ -115,18 +116,17 @@ class RemoteReader:
         # An image prompt's chat messages are formed (and checked) once, for all its canvases.
         chats = [self.chat_former.form(spec.prompt).request_fields(spec.prompt.images) if spec.prompt.images else None
                  for spec in specs]
-        jobs = [self._read_canvas(spec, canvas, chat) for spec, chat in zip(specs, chats) for canvas in spec.canvases]
-        answers = await gather_or_cancel(jobs)
-        results, offset = [], 0
-        for spec in specs:
-            mine = answers[offset:offset + len(spec.canvases)]
-            offset += len(spec.canvases)
-            results.append(read_result(spec, mine))
+        jobs = []
+        for spec, chat in zip(specs, chats):
+            groups = label_id_groups(spec, STOCK_LOGPROB_ID_CAP)  # once, for all the spec's canvases
+            jobs += [self._read_canvas(spec, canvas, groups, chat) for canvas in spec.canvases]
+        results = read_results(specs, await gather_or_cancel(jobs))
         self.counts["reads"] += len(specs)
         return results
 
-    async def _read_canvas(self, spec: ReadSpec, canvas: tuple[int, ...], chat: dict | None) -> CanvasAnswer:
-        groups = label_id_groups(spec, STOCK_LOGPROB_ID_CAP)
+    async def _read_canvas(self, spec: ReadSpec, canvas: tuple[int, ...], groups: Sequence[tuple[int, ...]],
+                           chat: dict | None) -> CanvasAnswer:
+        """One canvas, one request per group of label ids (`label_id_groups`), answers merged."""
         if chat is not None:
             parts = [self.pool.call(lambda u, ids=ids: self._chat_read(u, spec, canvas, ids, chat)) for ids in groups]
         else:
@@ -195,27 +195,20 @@ class RemoteReader:
         else:
             path = "/v1/completions"
             body["prompt"] = list(spec.prompt.ids)
-        stops = set(spec.stop_ids)
-        prompt_tokens = len(spec.prompt.ids)
-        produced = 0
+        cutter = ChunkCutter(spec)
         async for event in self._event_stream(path, body):
             choices = event.get("choices") or []
             if isinstance(event.get("prompt_token_ids"), list):
-                prompt_tokens = len(event["prompt_token_ids"])
+                cutter.prompt_tokens = len(event["prompt_token_ids"])
             for choice in choices:
                 if isinstance(choice.get("prompt_token_ids"), list):
-                    prompt_tokens = len(choice["prompt_token_ids"])
-                ids = [int(t) for t in choice.get("token_ids") or []]
-                cut = next((i for i, token in enumerate(ids) if token in stops), None)
-                ids = ids[:cut] if cut is not None else ids
-                ids = ids[:spec.max_tokens - produced]
-                produced += len(ids)
-                finished = cut is not None or choice.get("finish_reason") is not None
-                stopped = cut is not None or choice.get("finish_reason") == "stop"
-                yield GenerateChunk(ids=tuple(ids), done=finished, stopped=stopped, prompt_tokens=prompt_tokens)
-                if finished:
+                    cutter.prompt_tokens = len(choice["prompt_token_ids"])
+                reason = choice.get("finish_reason")
+                chunk = cutter.chunk(choice.get("token_ids") or [], reason is not None, reason)
+                yield chunk
+                if chunk.done:
                     return
-        yield GenerateChunk(ids=(), done=True, stopped=False, prompt_tokens=prompt_tokens)
+        yield cutter.end()
 
     async def _event_stream(self, path: str, body: dict) -> AsyncIterator[dict]:
         """Server-sent events of a streamed request. Only opening the stream is retried elsewhere: once
@@ -273,9 +266,9 @@ class RemoteReader:
 def load_remote_reader(checkpoint: str | Path, options: RemoteOptions) -> RemoteReader:
     """The remote engine over a local checkpoint directory (for its tokenizer and config only)."""
     path = Path(checkpoint)
-    tokenizer, raw = load_tokenizer(path)
-    _, image_id, boi_id, eoi_id = checkpoint_ids(path)
+    config = CheckpointConfig.read(path)
+    tokenizer, raw = load_tokenizer(path, config)
     device = ", ".join(url.rstrip("/") for url in options.upstreams)
     info = ReaderInfo(model=options.served_name or path.name, engine="remote", device=f"vLLM at {device}",
                       tiny=options.tiny, canvas_length=options.canvas_length, checkpoint=str(path))
-    return RemoteReader(tokenizer, raw, (image_id, boi_id, eoi_id), info, options)
+    return RemoteReader(tokenizer, raw, (config.image_id, config.boi_id, config.eoi_id), info, options)

@@ -1,5 +1,6 @@
-"""What the `vllm` and `remote` engines share: how a djev read becomes vLLM requests, and how vLLM's
-logprobs become `SlotRead`s.
+"""What the `vllm` and `remote` engines share: how a djev read becomes vLLM requests, how vLLM's
+logprobs become `SlotRead`s, how vLLM's generated pieces become `GenerateChunk`s, and what they
+take from the checkpoint's config.json.
 
 A read is one vLLM request per canvas: the prompt as token ids, `max_tokens` = the canvas width, and
 the canvas fields vLLM's DiffusionGemma takes in `extra_args` (`vllm_xargs` over HTTP):
@@ -24,9 +25,9 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from app.engine.base import EngineError, ReadResult, ReadSpec, SlotRead
+from app.engine.base import EngineError, GenerateChunk, GenerateSpec, ReadResult, ReadSpec, SlotRead
 
 # Stock vLLM's cap on `logprob_token_ids` per request (vllm.sampling_params.MAX_LOGPROB_TOKEN_IDS).
 STOCK_LOGPROB_ID_CAP = 128
@@ -192,24 +193,69 @@ def read_result(spec: ReadSpec, answers: Sequence[CanvasAnswer]) -> ReadResult:
     )
 
 
-def checkpoint_ids(checkpoint: Path) -> tuple[int, int, int, int]:
-    """(vocab size, image token id, begin-of-image id, end-of-image id) from config.json."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    text = config.get("text_config") or config
-    return (int(text["vocab_size"]), int(config.get("image_token_id", -1)), int(config.get("boi_token_id", -1)),
-            int(config.get("eoi_token_id", -1)))
+def read_results(specs: Sequence[ReadSpec], answers: Sequence[CanvasAnswer]) -> list[ReadResult]:
+    """Each spec's ReadResult from the answers of all the specs' canvases, in spec then canvas order
+    (how both engines submit a call to `read()`)."""
+    results, offset = [], 0
+    for spec in specs:
+        results.append(read_result(spec, answers[offset:offset + len(spec.canvases)]))
+        offset += len(spec.canvases)
+    return results
 
 
-def load_tokenizer(checkpoint: Path) -> tuple[Any, Any]:
+class ChunkCutter:
+    """Turns what vLLM generated since its last report into djev's GenerateChunks, for one
+    generation: a piece is cut at its first stop id (the stop id itself is never returned), the
+    total is held to `max_tokens`, and a stop id or vLLM's finish ends the stream."""
+
+    def __init__(self, spec: GenerateSpec) -> None:
+        self.stops = frozenset(spec.stop_ids)
+        self.max_tokens = spec.max_tokens
+        self.produced = 0
+        self.prompt_tokens = len(spec.prompt.ids)  # the engine replaces it by what vLLM reports
+
+    def chunk(self, token_ids: Iterable[int], finished: bool, finish_reason: str | None) -> GenerateChunk:
+        """The chunk for one piece; `done` once a stop id came or vLLM said the request finished."""
+        ids = [int(token) for token in token_ids]
+        cut = next((index for index, token in enumerate(ids) if token in self.stops), None)
+        ids = (ids if cut is None else ids[:cut])[:self.max_tokens - self.produced]
+        self.produced += len(ids)
+        return GenerateChunk(ids=tuple(ids), done=cut is not None or finished,
+                             stopped=cut is not None or finish_reason == "stop", prompt_tokens=self.prompt_tokens)
+
+    def end(self) -> GenerateChunk:
+        """The closing chunk of a stream vLLM ended without saying it finished."""
+        return GenerateChunk(ids=(), done=True, stopped=False, prompt_tokens=self.prompt_tokens)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """What the vLLM engines take from the checkpoint's config.json, read once at start-up."""
+
+    vocab_size: int
+    image_id: int
+    boi_id: int  # begin-of-image
+    eoi_id: int  # end-of-image
+    sliding_window: int  # 0 = none
+
+    @classmethod
+    def read(cls, checkpoint: Path) -> "CheckpointConfig":
+        config = json.loads((checkpoint / "config.json").read_text())
+        text = config.get("text_config") or config
+        return cls(vocab_size=int(text["vocab_size"]), image_id=int(config.get("image_token_id", -1)),
+                   boi_id=int(config.get("boi_token_id", -1)), eoi_id=int(config.get("eoi_token_id", -1)),
+                   sliding_window=int(text.get("sliding_window") or 0))
+
+
+def load_tokenizer(checkpoint: Path, config: CheckpointConfig) -> tuple[Any, Any]:
     """The checkpoint's tokenizer, loaded locally (templates are built here, whatever runs the
     model): (HFChatTokenizer, the transformers tokenizer under it)."""
     from transformers import AutoTokenizer
 
     from app.engine.tokenizer import HFChatTokenizer
 
-    vocab_size, image_id, _, _ = checkpoint_ids(checkpoint)
     raw = AutoTokenizer.from_pretrained(str(checkpoint))
-    return HFChatTokenizer(raw, vocab_size=vocab_size, image_token_id=image_id), raw
+    return HFChatTokenizer(raw, vocab_size=config.vocab_size, image_token_id=config.image_id), raw
 
 
 def collapse_images(ids: Sequence[int], image_id: int, boi_id: int, eoi_id: int) -> list[int]:

@@ -9,9 +9,11 @@ import pytest
 
 from app.cli import build_parser, build_reader, settings_from_args, CheckpointError
 from app.config import Settings
-from app.engine.base import ImageInput, Prompt, ReadSpec
-from app.engine.vllm_chat import IMAGE_PART, ChatFormer
+from app.engine.base import GenerateSpec, ImageInput, Prompt, ReadSpec
+from app.engine.vllm_chat import IMAGE_PART, ChatForm, ChatFormer
 from app.engine.vllm_wire import (
+    CheckpointConfig,
+    ChunkCutter,
     UpstreamAnswerError,
     collapse_images,
     label_id_groups,
@@ -20,6 +22,7 @@ from app.engine.vllm_wire import (
     parse_chat_read,
     parse_completion_read,
     read_result,
+    read_results,
 )
 
 
@@ -93,13 +96,51 @@ def test_a_minus_infinity_logprob_is_a_number():
     assert read_result(spec(), [answer]).slots[0][0].label_logprobs[0] == -math.inf
 
 
+def test_one_calls_answers_are_cut_back_per_spec_in_order():
+    one, two = spec(), ReadSpec(Prompt((1,)), ((9,) * 16,) * 2, (2, 4), ((5, 6), (7, 8)), 1, 0)
+    answers = [parse_completion_read(completion(16, [5, 6, 7, 8], argmax=token)) for token in (40, 41, 42)]
+    first, second = read_results([one, two], answers)
+    assert [reads[0].argmax_id for reads in first.slots] == [40]
+    assert [reads[0].argmax_id for reads in second.slots] == [41, 42]
+
+
+def generation(max_tokens=10, stops=(0,)) -> GenerateSpec:
+    return GenerateSpec(Prompt((1, 2, 3)), max_tokens, stops, seed=0)
+
+
+def test_generated_pieces_are_cut_at_a_stop_id():
+    cutter = ChunkCutter(generation())
+    first = cutter.chunk([5, 6], False, None)
+    assert first.ids == (5, 6) and not first.done and first.prompt_tokens == 3
+    last = cutter.chunk([7, 0, 8], False, None)
+    assert last.ids == (7,) and last.done and last.stopped
+
+
+def test_generated_pieces_keep_within_max_tokens_and_end_when_vllm_finishes():
+    cutter = ChunkCutter(generation(max_tokens=3))
+    cutter.prompt_tokens = 9
+    assert cutter.chunk([5, 6], False, None).ids == (5, 6)
+    last = cutter.chunk([7, 8], True, "length")
+    assert last.ids == (7,) and last.done and not last.stopped and last.prompt_tokens == 9
+    assert cutter.chunk([], True, "stop").stopped
+    end = cutter.end()
+    assert end.ids == () and end.done and not end.stopped and end.prompt_tokens == 9
+
+
+def test_the_checkpoint_config_is_read_once_for_everything(tiny_dir):
+    config = CheckpointConfig.read(tiny_dir)
+    tokenizer, _ = load_tokenizer(tiny_dir, config)
+    assert config.sliding_window == 64 and config.vocab_size == tokenizer.vocab_size
+    assert config.image_id == tokenizer.image_placeholder_id and config.boi_id != config.eoi_id
+
+
 def test_collapse_images_puts_one_placeholder_back_per_image():
     assert collapse_images([1, 9, 10, 10, 10, 11, 2, 9, 10, 11], 10, 9, 11) == [1, 10, 2, 10]
 
 
 @pytest.fixture(scope="module")
 def former(tiny_dir):
-    tokenizer, raw = load_tokenizer(tiny_dir)
+    tokenizer, raw = load_tokenizer(tiny_dir, CheckpointConfig.read(tiny_dir))
     return tokenizer, ChatFormer(raw, tokenizer.image_placeholder_id)
 
 
@@ -208,3 +249,32 @@ def test_engine_remote_is_built_from_the_settings(tiny_dir):
     assert isinstance(reader, RemoteReader) and reader.info.engine == "remote" and reader.info.tiny
     assert [u.url for u in reader.upstreams] == ["http://127.0.0.1:9"] and reader.pool.read_timeout == 7.0
     assert reader.tokenizer.vocab_size > 0 and not reader.ready  # not started: no upstream checked yet
+
+
+def test_the_template_is_rendered_once_per_shape(tiny_dir, monkeypatch):
+    tokenizer, raw = load_tokenizer(tiny_dir, CheckpointConfig.read(tiny_dir))
+    chat = ChatFormer(raw, tokenizer.image_placeholder_id)
+    states = ("a photo of a cat", " padded <turn|> state \n", "a dog")
+    prompts = [Prompt(tuple(tokenizer.render_chat("Question q1: is it?", state, 1, False))) for state in states]
+    calls = []
+    render = raw.apply_chat_template
+    monkeypatch.setattr(raw, "apply_chat_template",
+                        lambda *args, **kwargs: calls.append(1) or render(*args, **kwargs))
+    for state, prompt in zip(states, prompts):
+        assert chat.form(prompt).messages[1]["content"] == [IMAGE_PART, state]
+    assert len(calls) == 1
+    forms = [ChatForm(({"role": "system", "content": ""}, {"role": "user", "content": [IMAGE_PART, " x "]}),
+                      True, False),
+             ChatForm(({"role": "user", "content": "hi"}, {"role": "assistant", "content": "<|channel>thought\n"}),
+                      False, True)]
+    for form in forms:
+        assert chat.render(form) == chat._render_template(form)
+
+
+def test_a_template_that_changes_the_texts_is_rendered_in_full(tiny_dir):
+    tokenizer, raw = load_tokenizer(tiny_dir, CheckpointConfig.read(tiny_dir))
+    raw.chat_template = raw.chat_template.replace("{{ message['content'] }}", "{{ message['content'] | trim }}")
+    chat = ChatFormer(raw, tokenizer.image_placeholder_id)
+    form = ChatForm(({"role": "system", "content": "rules"}, {"role": "user", "content": "  spaced  "}), False, False)
+    assert chat.render(form) == chat._render_template(form)
+    assert "spaced<turn|>" in chat.render(form)
