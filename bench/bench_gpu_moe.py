@@ -50,18 +50,10 @@ class Experts:
 
 
 def graphed(call: Callable[[], Any]) -> Callable[[], Any]:
-    """`call` captured as a CUDA graph after two warm-up runs; returns the replay."""
-    import torch
+    """`call` captured as a CUDA graph (bench.naive.captured); returns the replay."""
+    from bench.naive import captured
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = call()
+    graph, output = captured(call)
     return lambda: (graph.replay(), output)[1]
 
 

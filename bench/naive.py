@@ -37,7 +37,9 @@ def _median_ms(call: Callable[[], Any], warmup: int, reps: int) -> float:
     return round(statistics.median(times), 2)
 
 
-def _captured(call: Callable[[], Any]) -> Any:
+def captured(call: Callable[[], Any]) -> tuple[Any, Any]:
+    """`call` captured as a CUDA graph after two warm-up runs on a side stream: (graph, the output
+    tensor(s) the replays write)."""
     import torch
 
     stream = torch.cuda.Stream()
@@ -48,8 +50,8 @@ def _captured(call: Callable[[], Any]) -> Any:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        call()
-    return graph
+        output = call()
+    return graph, output
 
 
 def measure_naive(model: Any, batches: Sequence[int] = (1, 8, 32), prompt_tokens: int = 300,
@@ -81,7 +83,7 @@ def measure_naive(model: Any, batches: Sequence[int] = (1, 8, 32), prompt_tokens
 
             out["decoder_pass_eager"][batch] = _median_ms(decode, warmup, reps)
             try:
-                graph = _captured(decode)
+                graph, _ = captured(decode)
                 out["decoder_pass_graph"][batch] = _median_ms(graph.replay, warmup, reps)
                 del graph
             except Exception as exc:  # noqa: BLE001 - a baseline that cannot be captured is reported, not fatal
@@ -96,7 +98,7 @@ def measure_naive(model: Any, batches: Sequence[int] = (1, 8, 32), prompt_tokens
                         return model(input_ids=ids, decoder_input_ids=canvas, logits_to_keep=slots,
                                      past_key_values=static).logits
 
-                    graph = _captured(static_full)
+                    graph, _ = captured(static_full)
                     out["full_read_static_graph"][batch] = _median_ms(graph.replay, warmup, reps)
                     del graph, static
                 except Exception as exc:  # noqa: BLE001

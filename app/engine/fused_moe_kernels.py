@@ -33,18 +33,24 @@ def rounded(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def block_pairs(block_experts_ptr, pairs_ptr, total, BLOCK_M: tl.constexpr):
+    """This program's block: its expert (or `experts` past the last run) and its pair ids, with
+    which of them are real (the rest is a run's padding)."""
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, pairs, pairs < total
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_experts_ptr,
                    total, hidden, inter, top_k, experts,
                    stride_xt, stride_we, stride_wn, stride_os,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    expert, pairs, valid = block_pairs(block_experts_ptr, pairs_ptr, total, BLOCK_M)
     if expert >= experts:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pairs_ptr + rows)
-    valid = pairs < total
     tokens = (pairs // top_k).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < inter
@@ -81,13 +87,9 @@ def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_experts_ptr, routing_ptr
                 stride_hs, stride_we, stride_wn, stride_os,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    expert, pairs, valid = block_pairs(block_experts_ptr, pairs_ptr, total, BLOCK_M)
     if expert >= experts:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pairs_ptr + rows)
-    valid = pairs < total
     pair_rows = pairs.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < hidden
