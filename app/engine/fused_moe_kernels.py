@@ -1,8 +1,8 @@
 """The Triton kernels of app/engine/fused_moe.py (imported only where Triton is: CUDA hosts, and the
 CPU tests through Triton's interpreter). Read fused_moe.py's docstring first.
 
-INTERPRETED (set when Triton runs interpreted, TRITON_INTERPRET=1) works around two gaps of the
-interpreter (Triton 3.9) so that the CPU tests check the GPU's arithmetic:
+INTERPRETED (set when Triton runs its interpreter, as the CPU tests do) works around two gaps of
+the interpreter (Triton 3.9) so that the CPU tests check the GPU's arithmetic:
 - its `tl.dot` gives wrong results for bf16 operands, so there the operands go to fp32 first (a
   bf16 product is exact in fp32, and the tensor cores accumulate in fp32 as well);
 - its fp32 -> bf16 conversion truncates where the GPU rounds to nearest even, so there `rounded`
