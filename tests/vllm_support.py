@@ -7,9 +7,12 @@ Without .venv-vllm these tests skip with a message, except in CI (env CI set), w
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,8 +40,14 @@ TICKET = {
 }
 
 
+# vLLM's processes talk over ZeroMQ IPC sockets in VLLM_RPC_BASE_PATH, the system temp folder by
+# default, and a process the tests stop leaves its sockets there (hundreds over a few CI runs): the
+# tests give vLLM a folder of their own, removed when pytest exits.
+RPC_DIR = tempfile.mkdtemp(prefix="djev-vllm-ipc-")
+atexit.register(shutil.rmtree, RPC_DIR, ignore_errors=True)
+
 # vLLM's CPU build as it runs DiffusionGemma here (one place: scripts/vllm_cpu/cpu.env).
-VLLM_ENV = vllm_cpu_env()
+VLLM_ENV = {**vllm_cpu_env(), "VLLM_RPC_BASE_PATH": RPC_DIR}
 
 
 # A server to start: argv, its health URL, its log file, environment beyond VLLM_ENV.
