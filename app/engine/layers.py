@@ -21,7 +21,7 @@ Here `install` gives every layer a forward of three calls:
 The compiled functions take the layer as an argument and read no layer number, so one compiled
 body per function, layer kind (sliding or full attention) and shape serves every layer.
 
-The arithmetic is the library's, op for op, in the same order (tests/engine/test_layers.py checks
+The arithmetic is the library's, op for op, in the same order (tests/engine/test_compiled.py checks
 the split forward against the library's on the CPU, eager and compiled).
 """
 
