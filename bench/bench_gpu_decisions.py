@@ -192,7 +192,7 @@ def breakdown(runner: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str
     import torch
 
     from app.engine.base import GenerateSpec, ImageInput, Prompt
-    from app.engine.diffusion import EncodedPrompt
+    from app.engine.prompts import EncodedPrompt
 
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     stages: dict[str, list[float]] = {}

@@ -64,9 +64,13 @@ def compile_layers(model: Any, backend: str = "inductor") -> int:
     return len(layers)
 
 
-def warm_up(runner: Any, canvas_length: int, rows: tuple[int, ...] = (1, 2)) -> float:
-    """Compile before the first request does: one text read at each of `rows` batch sizes (the
-    first compiles each part for its shapes, the second once more as dynamic), through the runner's
+# The warm-up's batch sizes: the first read compiles each piece for its shapes, the second once more
+# as dynamic, which then serves every other size.
+WARM_UP_ROWS = (1, 2)
+
+
+def warm_up(runner: Any, canvas_length: int) -> float:
+    """Compile before the first request does: one text read at each of WARM_UP_ROWS batch sizes, through the runner's
     own path, CUDA graphs included. Returns the seconds it took (about 50 s on an H200, measured);
     the prompt KV these reads leave in the LRU is dropped."""
     import time
@@ -76,7 +80,7 @@ def warm_up(runner: Any, canvas_length: int, rows: tuple[int, ...] = (1, 2)) -> 
     started = time.perf_counter()
     width = max(4, canvas_length)
     base = min(1000, runner.vocab_size // 4)  # ordinary text ids, clear of the special and image ids
-    for count in rows:
+    for count in WARM_UP_ROWS:
         specs = [ReadSpec(Prompt(tuple(range(base + 97 * row, base + 97 * row + 64 + 16 * row))),
                           ((0,) * width,), (1,), ((base, base + 1),)) for row in range(count)]
         failed = [result for result in runner.read(specs) if isinstance(result, Exception)]

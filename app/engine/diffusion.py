@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from app.engine.base import ReadResult, ReadSpec, SlotRead
 from app.engine.generation import GenerationMixin
 from app.engine.pixels import splittable
-from app.engine.prompts import (  # noqa: F401 - EncodedPrompt re-exported
+from app.engine.prompts import (
     EncodedPrompt,
     Preprocessed,
     PromptCache,

@@ -11,10 +11,10 @@ Here, per layer:
      BLOCK_M, and the expert of every block of BLOCK_M pairs -- a few small torch ops with no host
      synchronisation, so the whole thing replays inside a CUDA graph (sizes are bounded by
      pairs + experts x (BLOCK_M - 1), known from the shapes alone);
-  2. `_gate_up_kernel`: for each block of pairs of one expert, the gate and up projections of the
+  2. `gate_up_kernel`: for each block of pairs of one expert, the gate and up projections of the
      tokens, read straight from the hidden states by token index, the activation and their product,
      written to an [pairs, intermediate] buffer in the pairs' own order;
-  3. `_down_kernel`: the down projection of those rows, times the pair's routing weight, written to
+  3. `down_kernel`: the down projection of those rows, times the pair's routing weight, written to
      an fp32 [pairs, hidden] buffer in the pairs' own order, which a sum over each token's top-k rows
      turns into the layer's output.
 No pair is gathered or scattered through a copy of the hidden states, and an expert that no token
@@ -155,8 +155,9 @@ _OP: Any = None
 
 
 def _custom_op() -> Any:
-    """`fused_experts` as a torch custom op, so torch.compile (TORCH_COMPILE compiles the experts
-    module) treats it as one opaque call with a known output shape instead of tracing Triton."""
+    """`fused_experts` as a torch custom op, so torch.compile (TORCH_COMPILE compiles the layer piece
+    that calls the experts) treats it as one opaque call with a known output shape instead of
+    tracing Triton."""
     global _OP
     if _OP is None:
         op = torch.library.custom_op("djev::fused_experts", mutates_args=())(fused_experts)

@@ -276,29 +276,20 @@ class DecoderGraphs:
         positions = torch.zeros((graph.rows, width), dtype=torch.long)
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
-        start = 0
-        while start < len(rows):
-            encoded = rows[start][0]
-            end = start
-            while end < len(rows) and rows[end][0] is encoded:  # the noise draws of one prompt
-                end += 1
+        for row, (encoded, canvas_ids) in enumerate(rows):
             for index, layer_type in enumerate(self.layer_types):
                 k, v = encoded.layers[index]
                 bucket = graph.lengths[layer_type]
                 n = k.shape[2]
-                for row in range(start, end):
-                    targets += [graph.keys[index][row, :, bucket - n:], graph.values[index][row, :, bucket - n:]]
-                    sources += [k[0], v[0]]
-            for row in range(start, end):
-                canvas_ids = rows[row][1]
-                canvas[row, : len(canvas_ids)] = torch.tensor(canvas_ids, dtype=torch.long)
-                positions[row] = encoded.length + torch.arange(width)
-                for layer_type, index in self.first_layer.items():
-                    bucket = graph.lengths[layer_type]
-                    n = encoded.layers[index][0].shape[2]
-                    masks[layer_type][row, :, :, bucket - n:bucket] = True
-                    masks[layer_type][row, :, :, bucket:bucket + len(canvas_ids)] = True
-            start = end
+                targets += [graph.keys[index][row, :, bucket - n:], graph.values[index][row, :, bucket - n:]]
+                sources += [k[0], v[0]]
+            canvas[row, : len(canvas_ids)] = torch.tensor(canvas_ids, dtype=torch.long)
+            positions[row] = encoded.length + torch.arange(width)
+            for layer_type, index in self.first_layer.items():
+                bucket = graph.lengths[layer_type]
+                n = encoded.layers[index][0].shape[2]
+                masks[layer_type][row, :, :, bucket - n:bucket] = True
+                masks[layer_type][row, :, :, bucket:bucket + len(canvas_ids)] = True
         for row in range(len(rows), graph.rows):  # padding rows attend to their own canvas: no NaN
             for layer_type, bucket in graph.lengths.items():
                 masks[layer_type][row, :, :, bucket:bucket + width] = True

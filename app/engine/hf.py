@@ -9,7 +9,8 @@ scheduling contract of `app/engine/base.py`.
 Images are decoded and run through the image processor before their read or generation is queued, in
 a small pool of image workers (tens of ms a camera frame that would otherwise hold the engine thread,
 and every reader behind it); the result rides with the job, so the engine thread only uploads pixels
-and runs the vision tower, and nothing outlives the job.
+(on CUDA also rescales, patches and pads them there: app/engine/pixels.py) and runs the vision tower,
+and nothing outlives the job.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from app.engine.base import (
     ReadResult,
     ReadSpec,
     collect,
+    describe,
 )
 
 if TYPE_CHECKING:
@@ -349,7 +351,7 @@ class HFReader:
             self._images_held -= reserved
             if isinstance(exc, Exception):
                 log.exception("image preprocessing failure")
-                raise EngineError(f"engine failure: {type(exc).__name__}: {exc}") from exc
+                raise EngineError(f"engine failure: {describe(exc)}") from exc
             raise  # cancelled: the caller went away; the workers' results are dropped
         self.runner.stats["images_preprocessed"] += len(wanted)
         return dict(zip(wanted, outcomes))
@@ -420,7 +422,7 @@ class HFReader:
         except Exception as exc:  # noqa: BLE001 - a model failure must reach every waiting request
             log.exception("engine failure")
             for job in batch:
-                self._fail(job, EngineError(f"engine failure: {type(exc).__name__}: {exc}"))
+                self._fail(job, EngineError(f"engine failure: {describe(exc)}"))
             return
         self.runner.stats["batches"] += 1
         offset = 0
@@ -447,7 +449,7 @@ class HFReader:
             return
         except Exception as exc:  # noqa: BLE001
             log.exception("engine failure during generation")
-            self._fail(job, EngineError(f"engine failure: {type(exc).__name__}: {exc}"))
+            self._fail(job, EngineError(f"engine failure: {describe(exc)}"))
             return
         if chunk is not None:
             job.chunks.put_nowait(chunk)

@@ -59,13 +59,16 @@ def token_major(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.new_empty((rows, tokens, heads, dim)).transpose(1, 2)
 
 
-def copy_token_major(sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `sources` ([1, heads, tokens, dim] views), each laid out token-major, made with one
-    `torch._foreach_copy_`: where the sources are token-major too, every copy is a contiguous block
-    and the whole list goes in a launch or a few (KV of a batch of prompts)."""
+def copy_rows(rows: Sequence[Layers]) -> list[Layers]:
+    """Copies of each row's layers ((keys, values) views [1, heads, tokens, dim], e.g. rows of a batch's
+    cache), each laid out token-major, all made with one `torch._foreach_copy_`: where the views are
+    token-major too, every copy is a contiguous block and a batch of prompts goes in a launch or a
+    few."""
+    sources = [tensor for layers in rows for pair in layers for tensor in pair]
     copies = [token_major(source) for source in sources]
     copy_all([copy[0] for copy in copies], [source[0] for source in sources])
-    return copies
+    pairs = iter(zip(copies[::2], copies[1::2]))
+    return [[next(pairs) for _ in layers] for layers in rows]
 
 
 def copy_all(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
@@ -84,7 +87,7 @@ def bucket_of(value: int, buckets: Sequence[int]) -> int | None:
 class _StaticKV:
     """What the encoder's attention layers write through: each layer's keys and values are copied
     into static buffers (views of storage shared by every graph: graphs never run at once, and a
-    batch's KV is cloned out right after its replay). Only `update` is called, since positions and
+    batch's KV is copied out, `copy_rows`, right after its replay). Only `update` is called, since positions and
     masks are passed in."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -217,21 +220,16 @@ class EncoderGraphs:
     def _rows_layers(self, graph: _Graph, lengths: list[int]) -> list[Layers]:
         """Each row's real tokens out of the graph's buffers (copies: the next replay overwrites them),
         each sliding layer cropped to the last window - 1 tokens as DynamicCache keeps them; all in
-        one `copy_token_major`."""
-        sources, rows = [], []
+        one `copy_rows`."""
+        rows = []
         for row, n in enumerate(lengths):
             layers: Layers = []
             for index, layer_type in enumerate(self.layer_types):
                 keep = min(n, self.sliding_window - 1) if layer_type == "sliding_attention" else n
-                for buffer in (graph.cache.keys[index], graph.cache.values[index]):
-                    sources.append(buffer[row:row + 1, :, n - keep:n])
-                layers.append(None)  # type: ignore[arg-type] - filled below
+                keys, values = graph.cache.keys[index], graph.cache.values[index]
+                layers.append((keys[row:row + 1, :, n - keep:n], values[row:row + 1, :, n - keep:n]))
             rows.append(layers)
-        copies = iter(copy_token_major(sources))
-        for layers in rows:
-            for index in range(len(layers)):
-                layers[index] = (next(copies), next(copies))
-        return rows
+        return copy_rows(rows)
 
     # ------------------------------------------------------------------ building
 

@@ -9,7 +9,8 @@ frame restated in a later stage skips decoding and the tower), then share passes
 
 Decoding and the image processor (`preprocess`) are plain CPU work that touches neither the model nor
 the caches: HFReader runs them in worker threads before a read or generation is queued and hands the
-result over (`Preprocessed`), so the engine thread only uploads the pixels and runs the tower. A
+result over (`Preprocessed`), so the engine thread only uploads the pixels (on CUDA it also rescales,
+patches and pads them on the device: app/engine/pixels.py) and runs the tower. A
 prompt without a handed-over result (a direct runner call, a budget exceeded) is preprocessed inline.
 """
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from app.engine import pixels
 from app.engine.base import EngineInputError, Prompt, decode_images
 from app.engine.pixels import Resized
-from app.engine.prompt_graphs import copy_token_major
+from app.engine.prompt_graphs import copy_rows
 
 
 @dataclass
@@ -41,7 +42,7 @@ class EncodedPrompt:
 class ProcessedImages:
     """A prompt's images as the vision tower takes them, still on the CPU: what decoding, RGB
     conversion and the image processor made of them. Any thread may build one (`preprocess`); the
-    engine thread only uploads it."""
+    engine thread only uploads it (and, with `resized`, finishes it on the device)."""
 
     counts: tuple[int, ...]  # soft tokens per image
     pixel_values: torch.Tensor | None  # [images, patches, patch pixels], already in the model's dtype
@@ -389,15 +390,14 @@ class PromptEncodingMixin:
         cache = self._new_cache()
         self.model.model.encoder.language_model(inputs_embeds=embeds, attention_mask=attention,
                                                 position_ids=positions, past_key_values=cache)
-        sources = []
+        rows = []
         for row, length in enumerate(lengths):
+            layers = []
             for layer in cache.layers:
                 start = max(0, layer.keys.shape[2] - length)  # drop the left padding this layer still holds
-                sources += [layer.keys[row:row + 1, :, start:], layer.values[row:row + 1, :, start:]]
-        copies = copy_token_major(sources)  # laid out as the encoder graphs leave KV (prompt_graphs.py)
-        pairs = list(zip(copies[::2], copies[1::2]))
-        per_row = len(cache.layers)
-        return [pairs[row * per_row:(row + 1) * per_row] for row in range(len(lengths))]
+                layers.append((layer.keys[row:row + 1, :, start:], layer.values[row:row + 1, :, start:]))
+            rows.append(layers)
+        return copy_rows(rows)  # laid out as the encoder graphs leave KV (prompt_graphs.py)
 
     def _too_long(self, length: int) -> EngineInputError:
         return EngineInputError(

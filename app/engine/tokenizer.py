@@ -64,9 +64,8 @@ class HFChatTokenizer(ChatTokenizer):
         return list(self._special.encode(text, add_special_tokens=False).ids) if text else []
 
     def encode(self, text: str) -> list[int]:
-        if len(text) <= ENCODE_CACHE_CHARS:
-            return list(self._encode_cached(text))
-        return list(self._plain.encode(text, add_special_tokens=False).ids)
+        encode = self._encode_cached if len(text) <= ENCODE_CACHE_CHARS else self._encode_uncached
+        return list(encode(text))
 
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(self._plain.encode(text, add_special_tokens=False).ids) if text else ()

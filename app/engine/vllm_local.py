@@ -192,7 +192,7 @@ class VLLMReader:
         try:
             self._chat = await InProcessChat.build(self._engine, args)
         except Exception as exc:  # noqa: BLE001 - reads work without it; the raw chat route then says why
-            self._chat_error = f"{type(exc).__name__}: {exc}"
+            self._chat_error = describe(exc)
             log.warning("vLLM's chat serving did not start in process (%s): the raw chat route answers 502",
                         self._chat_error)
         status = plugin_status()
@@ -360,6 +360,3 @@ def engine_error(what: str, exc: BaseException) -> EngineError:
     if type(exc).__name__ == "EngineDeadError":
         return EngineUnavailable(message)
     return EngineError(message)
-
-
-

@@ -33,9 +33,10 @@ from app.engine.base import (
     ReadSpec,
     RelayedResponse,
     collect,
+    describe,
     gather_or_cancel,
 )
-from app.engine.upstreams import Failed, Upstream, UpstreamPool, describe
+from app.engine.upstreams import Failed, Upstream, UpstreamPool
 from app.engine.vllm_chat import ChatFormer
 from app.engine.vllm_wire import (
     STOCK_LOGPROB_ID_CAP,

@@ -35,7 +35,6 @@ class FrontDoor:
             await self.app(scope, receive, send)
             return
         request_id = "req_" + secrets.token_hex(12)
-        scope.setdefault("state", {})["request_id"] = request_id
         # Not reset on the way out: the outermost error handler logs an unexpected exception after
         # the middleware returns, in the same task, and that line needs the id most. Each request
         # runs in a task of its own, so the value ends with it.

@@ -84,8 +84,9 @@ def _sse(payload: Any) -> bytes:
 
 
 def _prepare(svc: Services, raw: RawBody) -> tuple[RawRequest, tuple[int, ...]]:
-    """Parse and read the body and render the prompt (blocking: `Services.prepare` runs it inline
-    for a small plain body, in the worker pool otherwise)."""
+    """Parse and read the body and render the prompt (blocking: worker pool, whatever the body's
+    size: the conversation's shape is the client's, and a new one renders the chat template under
+    the tokenizer's lock)."""
     request = parse_raw(parse_payload(raw, svc.settings.max_body_bytes).body, svc.settings.default_seed)
     ids = tuple(svc.reader.tokenizer.render_messages(list(request.messages), 0, thinking=False))
     return request, ids
@@ -120,7 +121,7 @@ async def raw_chat_completions(request: Request) -> Response:
     if relay is not None:
         payload = await svc.prepare(parse_payload, raw.inline_size, raw, svc.settings.max_body_bytes)
         return await _relay(svc, request, relay, payload.body)
-    parsed, ids = await svc.prepare(_prepare, raw.inline_size, svc, raw)
+    parsed, ids = await svc.offload(_prepare, svc, raw)
     svc.admission.check_fits(parsed.max_tokens, "max_tokens")
     spec = _spec(svc, parsed, ids)
     if parsed.stream:

@@ -40,9 +40,9 @@ class Services:
     reader: Reader
     decider: Decider
     admission: Admission
+    workers: anyio.CapacityLimiter  # the pool the decider offloads to as well (build)
     started: float = field(default_factory=time.time)
     sessions: dict[str, Any] = field(default_factory=dict)  # open /v1/stream sessions by id
-    workers: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(WORKER_THREADS))
     metrics: Metrics = field(default_factory=Metrics)  # this app's own registry (/metrics)
 
     @classmethod
@@ -69,7 +69,7 @@ class Services:
         return await _offload_in(self.workers, fn, *args)
 
     def plan(self, decision: Decision) -> Plan:
-        """What a decision will read and cost (blocking: call it in a worker thread)."""
+        """What a decision will read and cost (blocking: bounded by the limits; `prepare` decides where)."""
         return self.decider.plan(decision)
 
 

@@ -1,4 +1,4 @@
-"""Running a request's work: prepared in a worker thread, admitted by cost, bounded by
+"""Running a request's work: prepared off the loop (inline for a small plain body), admitted by cost, bounded by
 REQUEST_TIMEOUT, and dropped when the client leaves.
 
 Cancellation is how a reader drops queued work (the Reader contract), so both the deadline and a
@@ -70,7 +70,7 @@ def unwrap(error: BaseException) -> BaseException:
 @dataclass(frozen=True)
 class Prepared:
     decision: Decision
-    plan: Plan  # made once, in the worker pool: priced for admission, then run
+    plan: Plan  # made once, while preparing: priced for admission, then run
     body: Any  # the parsed JSON body (the chat form echoes its model)
 
     @property
@@ -79,7 +79,8 @@ class Prepared:
 
 
 def prepare(svc: Services, raw: RawBody, chat_form: bool = False) -> Prepared:
-    """Parse, validate and price a decision request (blocking: runs in the worker pool)."""
+    """Parse, validate and price a decision request (blocking: `Services.prepare` runs it inline for a
+    small plain body, in the worker pool otherwise)."""
     settings = svc.settings
     payload = parse_payload(raw, settings.max_body_bytes)
     body = chat_to_body(payload.body) if chat_form else payload.body
@@ -88,14 +89,14 @@ def prepare(svc: Services, raw: RawBody, chat_form: bool = False) -> Prepared:
 
 
 def checked_plan(svc: Services, decision: Decision) -> Plan:
-    """The decision's images checked and its plan made (blocking: worker pool)."""
+    """The decision's images checked and its plan made (blocking: part of `prepare`)."""
     check_images(decision.images, svc.settings.max_image_pixels)
     return priced_plan(svc, decision)
 
 
 def priced_plan(svc: Services, decision: Decision) -> Plan:
     """The decision's plan; a 400 naming the expensive field when the decision alone costs more than
-    the whole admission budget (blocking: worker pool). Its images must be checked already."""
+    the whole admission budget (blocking: `prepare`'s, or a camera frame's, off the loop). Its images must be checked already."""
     plan = svc.plan(decision)
     if plan.cost > svc.admission.max_cost:
         svc.admission.check_fits(plan.cost, expensive_field(svc, decision))

@@ -174,17 +174,22 @@ def test_a_long_or_image_generation_prompt_stays_on_the_eager_pass(tiny_dir, tok
 
 
 def test_kv_is_copied_token_major_in_one_call():
-    """copy_token_major: copies laid out [rows, tokens, heads, dim] (a row's KV one contiguous block,
-    so a batch's copies can take foreach's fast path), equal to their sources whatever their layout."""
-    from app.engine.prompt_graphs import copy_all, copy_token_major
+    """copy_rows: copies laid out [rows, tokens, heads, dim] (a row's KV one contiguous block, so a
+    batch's copies can take foreach's fast path), equal to their sources whatever their layout, in
+    the rows' own structure."""
+    from app.engine.prompt_graphs import copy_all, copy_rows
 
     generator = torch.Generator().manual_seed(0)
     head_major = torch.randn(1, 4, 7, 8, generator=generator)
     token_major_source = torch.randn(2, 9, 4, 8, generator=generator).transpose(1, 2)[1:2, :, 2:7]
-    copies = copy_token_major([head_major, token_major_source])
-    for copy, source in zip(copies, [head_major, token_major_source]):
-        assert torch.equal(copy, source)
-        assert copy.transpose(1, 2).is_contiguous()  # token-major storage
+    rows = [[(head_major, token_major_source)], [(token_major_source, head_major), (head_major, head_major)]]
+    copies = copy_rows(rows)
+    assert [len(layers) for layers in copies] == [1, 2]
+    for layers, copied in zip(rows, copies):
+        for pair, copied_pair in zip(layers, copied):
+            for source, copy in zip(pair, copied_pair):
+                assert torch.equal(copy, source)
+                assert copy.transpose(1, 2).is_contiguous()  # token-major storage
     targets = [torch.zeros(4, 7, 8), torch.zeros(2, 9, 4, 8).transpose(1, 2)[0, :, 2:7]]
     copy_all(targets, [head_major[0], token_major_source[0]])
     assert torch.equal(targets[0], head_major[0]) and torch.equal(targets[1], token_major_source[0])
