@@ -2,15 +2,16 @@
 
 Measured in ONE run, so the ratios compare numbers taken side by side on the same machine state:
 
-(a) One decision -- the README's ticket example (noul + choice + score, `samples: 1`) -- three ways,
-    interleaved request by request so drift hits all three alike:
+(a) One decision -- the README's ticket example (noul + choice + score, `samples: 1`) -- three ways
+    and a transport floor, interleaved request by request so drift hits all four alike:
       engine    HFReader.read([spec]) of the exact ReadSpec the Decider sends for that decision
                 (captured by running the real Decider against a recording reader);
       decision  parse_decision(body, Settings().limits) + Decider.decide() in process: templating, the read, answers;
       http      POST /v1/systemone to the real app under uvicorn on 127.0.0.1 (httpx, keep-alive);
       floor     the same POST, body and client to a bare Starlette app under the same uvicorn options
                 whose one route reads the body and returns a fixed JSON reply: what the client, the
-                loopback and uvicorn cost before any of djev's code runs.
+                loopback and uvicorn cost before any of djev's code runs (its prompt-token and
+                encoder-pass columns are 0: it reads nothing).
     The differences are the decision logic (decision - engine) and the HTTP layer (http - decision);
     http_p50 / engine_p50 is the overhead ratio. With --server process (the default) the djev server
     and the floor app each run in their own process, as `djev serve` does and as a real client sees
@@ -151,19 +152,13 @@ class RemoteStats:
 
 def _serve(which: str, checkpoint: Path, port: int, threads: int) -> None:
     """A server process's body: the real app on its own tiny reader (`tiny_server`'s settings), or the
-    floor app, under uvicorn with the options `djev serve` uses."""
-    import uvicorn
-
-    from app.server import create_app
+    floor app, served as `djev serve` serves (app.server.serve_app: the same uvicorn options)."""
+    from app.server import create_app, serve_app
 
     set_torch_threads(threads)
-    if which == "djev":
-        config = Settings(host="127.0.0.1", pages=False, log_level="warning")
-        app = create_app(config, tiny_reader(checkpoint, config))
-    else:
-        app = floor_app()
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, proxy_headers=False,
-                lifespan="on")
+    config = Settings(host="127.0.0.1", port=port, pages=False, log_level="warning")
+    app = create_app(config, tiny_reader(checkpoint, config)) if which == "djev" else floor_app()
+    asyncio.run(serve_app(app, config))
 
 
 @contextmanager
@@ -234,8 +229,8 @@ async def single_decision(url: str, server_reader: Any, checkpoint: Path, reads:
 
 
 class Paths:
-    """The three ways to run one ticket decision; each returns the prompt tokens it read, so the
-    report shows the three did the same work."""
+    """The three ways to run one ticket decision, and the transport floor; each returns the prompt
+    tokens it read, so the report shows the three did the same work (the floor reads none: 0)."""
 
     def __init__(self, reader: Any, decider: Any, client: Any, floor_client: Any) -> None:
         self.reader = reader
@@ -258,12 +253,14 @@ class Paths:
         return outcome.input_tokens
 
     async def http(self, body: dict[str, Any]) -> int:
-        response = await self.client.post("/v1/systemone", json=body)
-        response.raise_for_status()
-        return response.json()["usage"]["input_tokens"]
+        return await self._post(self.client, body)
 
     async def floor(self, body: dict[str, Any]) -> int:
-        response = await self.floor_client.post("/v1/systemone", json=body)
+        return await self._post(self.floor_client, body)
+
+    @staticmethod
+    async def _post(client: Any, body: dict[str, Any]) -> int:
+        response = await client.post("/v1/systemone", json=body)
         response.raise_for_status()
         return response.json()["usage"]["input_tokens"]
 

@@ -206,6 +206,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                  naive_ms: tuple[float | None, ...] = ()) -> None:
             result = timed(call, args.warmup, args.reps, run, sync)
             result.update(case=f"{name} [{mode}]", reads=reads, canvases=canvases,
+                          experts=getattr(model.config, "_experts_implementation", None),
                           reads_per_s=reads / (result["p50_ms"] / 1000), naive_ms=list(naive_ms))
             cases.append(result)
             print(f"  {name} [{mode}]: median {result['p50_ms']:.1f} ms (warm-up {result['warmup_s']} s)", flush=True)
@@ -225,7 +226,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for made in (uncached, cached):
             for kind, graph_set in (("decoder", made.graphs), ("encoder", made.encoder_graphs)):
                 if graphs and graph_set is not None:
-                    memory[f"{kind} graphs, {'cached' if made is cached else 'uncached'} runner"] = {
+                    memory[f"[{mode}] {kind} graphs, {'cached' if made is cached else 'uncached'} runner"] = {
                         "captured": graph_set.captures, "held": len(graph_set.graphs),
                         "memory_gib": round(graph_set.memory_bytes / 2**30, 2), "disabled": graph_set.disabled}
 
@@ -234,7 +235,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                  "DiffusionGemma 26B-A4B architecture, random weights (the published config)",
         "parameters": parameters,
         "dtype": str(dtype).replace("torch.", ""),
-        "experts_implementation": getattr(model.config, "_experts_implementation", None),
+        "experts_implementation": getattr(model.config, "_experts_implementation", None),  # the last mode's; each case has its own
         "build_s": round(build_s, 1),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if on_cuda else None,
         "prompt_tokens": args.prompt_tokens,

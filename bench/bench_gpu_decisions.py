@@ -119,7 +119,7 @@ def build_reader(args: argparse.Namespace) -> Any:
     on_cuda = device.type == "cuda"
     experts = "grouped_mm" if on_cuda else None
     model = build_model(config, args.device, torch.bfloat16 if on_cuda else torch.float32, experts)
-    settings = Settings(device=args.device, torch_compile=args.compile)
+    settings = Settings(device=args.device, torch_compile=args.compile, fused_moe=args.fused_moe)
     options = hf_options(settings, "random-26B-A4B" if not args.tiny else "tiny", tiny=args.tiny)
     runner = DiffusionRunner(model, image_processor, device=device, max_prompt_tokens=settings.max_prompt_tokens,
                              kv_entries=settings.kv_cache_entries, max_rows=settings.max_batch_rows,

@@ -19,6 +19,7 @@ import torch._dynamo.utils  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from app.engine import fused_moe  # noqa: E402
+from bench.bench_gpu_moe import Experts  # noqa: E402 - grouped_mm's view of an experts module
 
 
 def exact(x, index, weights, gate_up, down):
@@ -31,22 +32,6 @@ def exact(x, index, weights, gate_up, down):
             gate, up = F.linear(x[token], gate_up[expert]).chunk(2)
             out[token] += weights[token, slot].double() * F.linear(F.gelu(gate, approximate="tanh") * up, down[expert])
     return out
-
-
-class Experts(torch.nn.Module):
-    """Just what transformers' grouped_mm experts forward reads from a module."""
-
-    def __init__(self, gate_up, down):
-        super().__init__()
-        self.gate_up_proj, self.down_proj = torch.nn.Parameter(gate_up), torch.nn.Parameter(down)
-        self.num_experts = gate_up.shape[0]
-        self.act_fn = lambda t: F.gelu(t, approximate="tanh")
-        self.has_gate, self.has_bias, self.is_transposed = True, False, False
-        self.has_post_expert_norm, self._is_expert_parallel = False, False
-
-    def _apply_gate(self, gate_up_out):
-        gate, up = gate_up_out.chunk(2, dim=-1)
-        return self.act_fn(gate) * up
 
 
 def kernel_cases() -> list[dict]:

@@ -7,6 +7,7 @@ thread)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from types import SimpleNamespace
 
@@ -85,7 +86,7 @@ def test_compile_limits_are_set_on_the_calling_thread_and_the_engine_thread():
         runner = FakeRunner()
         runner.device = SimpleNamespace(type="cuda" if on_cuda else "cpu")
         reader = make_reader(runner)
-        reader.options = reader.options.__class__(**{**reader.options.__dict__, "torch_compile": True})
+        reader.options = dataclasses.replace(reader.options, torch_compile=True)
         await reader.start()
         try:
             loop = asyncio.get_running_loop()

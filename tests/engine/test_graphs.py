@@ -84,7 +84,7 @@ def test_graphs_share_one_set_of_kv_buffers_and_cap_conditioning(tiny_dir, token
 
 
 @torch.no_grad()
-def test_a_graph_pass_writes_the_canvas_kv_after_the_prompt_instead_of_concatenating(tiny_dir, tokenizer):
+def test_a_graph_pass_writes_the_canvas_kv_after_the_prompt_instead_of_concatenating(tiny_dir, tokenizer, monkeypatch):
     """The static path's decoder attention writes each layer's canvas KV into the buffer after the
     prompt (graphs.CanvasKV) and reads the same as the eager pass, which still concatenates."""
     from transformers.cache_utils import DynamicLayer
@@ -102,14 +102,12 @@ def test_a_graph_pass_writes_the_canvas_kv_after_the_prompt_instead_of_concatena
     spec = spec_for(tokenizer, "a state", "q1: yes\nq2: no", [42, 7], seed=3)
     rows = [(static.encode_many([spec.prompt])[0], list(canvas)) for canvas in spec.canvases]
     static.graphs.hidden(rows)  # builds the graph (its cache's set-up concatenates once)
-    torch.cat = counting_cat
-    try:
-        got = static.graphs.hidden(rows)
-        in_place = len(concatenated)
-        static.graphs, graphs = None, static.graphs
-        want = static._decoder_hidden(rows)
-    finally:
-        torch.cat = original_cat
+    monkeypatch.setattr(torch, "cat", counting_cat)
+    got = static.graphs.hidden(rows)
+    in_place = len(concatenated)
+    static.graphs, graphs = None, static.graphs
+    want = static._decoder_hidden(rows)
+    monkeypatch.undo()
     assert in_place == 0 and len(concatenated) > 0  # the eager pass still concatenates
     assert torch.allclose(got, want, atol=1e-4)
     graph = next(iter(graphs.graphs.values()))

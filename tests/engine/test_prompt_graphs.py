@@ -173,7 +173,7 @@ def test_a_long_or_image_generation_prompt_stays_on_the_eager_pass(tiny_dir, tok
     assert graphed._graph_encodable(Prompt(tuple(tokenizer.render_chat("Think.", "a state", 0, True))))
 
 
-def test_kv_is_copied_token_major_in_one_call():
+def test_kv_is_copied_token_major_in_the_rows_own_structure():
     """copy_rows: copies laid out [rows, tokens, heads, dim] (a row's KV one contiguous block, so a
     batch's copies can take foreach's fast path), equal to their sources whatever their layout, in
     the rows' own structure."""

@@ -127,7 +127,7 @@ def test_generated_pieces_keep_within_max_tokens_and_end_when_vllm_finishes():
     assert end.ids == () and end.done and not end.stopped and end.prompt_tokens == 9
 
 
-def test_the_checkpoint_config_is_read_once_for_everything(tiny_dir):
+def test_the_checkpoint_config_holds_what_the_tokenizer_and_engines_need(tiny_dir):
     config = CheckpointConfig.read(tiny_dir)
     tokenizer, _ = load_tokenizer(tiny_dir, config)
     assert config.sliding_window == 64 and config.vocab_size == tokenizer.vocab_size
