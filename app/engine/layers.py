@@ -14,15 +14,18 @@ Here `install` gives every layer a forward of three calls:
      compiled;
   2. the cache and attention, as the library's attention module does them (the encoder's
      `past_key_values.update`, the decoder's `append_to_cache`, then the configured attention
-     function) -- eager, the piece that needs the layer number;
+     function; under a mask, SDPA over grouped query heads, `grouped_attention`) -- eager, the
+     piece that needs the layer number;
   3. `feed_forward(layer, attention_out, residual)`: output projection, post-attention norm and
      residual, the MLP and the experts with their norms, the second residual and the layer scalar --
      compiled.
 The compiled functions take the layer as an argument and read no layer number, so one compiled
 body per function, layer kind (sliding or full attention) and shape serves every layer.
 
-The arithmetic is the library's, op for op, in the same order (tests/engine/test_compiled.py checks
-the split forward against the library's on the CPU, eager and compiled).
+The arithmetic is the library's, op for op, in the same order, but for the masked attention of
+grouped query heads, which reads no repeated copy of the KV (`grouped_attention`: the same rows
+through SDPA, blocked differently). tests/engine/test_compiled.py checks the split forward against
+the library's on the CPU (to fp32 rounding), and compiled against eager (exactly).
 """
 
 from __future__ import annotations
@@ -75,10 +78,38 @@ def attend(layer: Any, queries: torch.Tensor, keys: torch.Tensor, values: torch.
             keys, values = attention.append_to_cache(past_key_values, keys, values)
         else:
             keys, values = past_key_values.update(keys, values, attention.layer_idx)
+    if _packable(attention, queries, keys, attention_mask):
+        return grouped_attention(queries, keys, values, attention_mask, attention.scaling)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
     out, _ = interface(attention, queries, keys, values, attention_mask, dropout=0.0, scaling=attention.scaling,
                        sliding_window=attention.sliding_window, is_causal=attention.is_causal, **kwargs)
     return out
+
+
+def _packable(attention: Any, queries: torch.Tensor, keys: torch.Tensor, mask: Any) -> bool:
+    """Whether `grouped_attention` stands in for the library's SDPA call: SDPA configured, query heads
+    sharing KV heads, several query tokens and a mask shared by the heads (the decoder's). Without
+    a mask the library already runs SDPA's own grouped-query kernels."""
+    return (attention.config._attn_implementation == "sdpa" and isinstance(mask, torch.Tensor)
+            and mask.dim() == 4 and mask.shape[1] == 1 and queries.shape[2] > 1
+            and queries.shape[1] > keys.shape[1] and queries.shape[1] % keys.shape[1] == 0)
+
+
+def grouped_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
+    """SDPA for query heads that share KV heads under a mask, as [batch, tokens, heads, head_dim].
+
+    With a mask, the library repeats every KV head for each query head that reads it (SDPA's
+    grouped-query kernels take no mask): a copy of the whole KV in every layer, 120 copy kernels and
+    ~15 ms of a 32-row decoder pass on an H200 (docs/benchmarks.md). Here the query heads of a KV
+    head are stacked along the tokens instead ([batch, kv heads, group x tokens, dim]) and the mask
+    repeated to match: each query row meets the same keys, values and mask row as before."""
+    batch, heads, tokens, dim = queries.shape
+    groups = heads // keys.shape[1]
+    stacked = queries.reshape(batch, keys.shape[1], groups * tokens, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        stacked, keys, values, attn_mask=mask.repeat(1, 1, groups, 1), scale=scaling)
+    return out.reshape(batch, heads, tokens, dim).transpose(1, 2)
 
 
 def install(layers: list[Any], compile: Callable[[Callable], Callable] | None = None) -> None:

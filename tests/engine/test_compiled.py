@@ -11,6 +11,7 @@ import dataclasses
 import threading
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from app.engine import compiled
@@ -25,7 +26,7 @@ def logprobs(results):
 
 
 @torch.no_grad()
-def test_the_split_layers_read_exactly_what_the_library_layers_read(tiny_dir, tokenizer):
+def test_the_split_layers_read_what_the_library_layers_read(tiny_dir, tokenizer):
     from app.engine import layers
 
     library, split = make_tiny_reader(tiny_dir).runner, make_tiny_reader(tiny_dir).runner
@@ -33,19 +34,59 @@ def test_the_split_layers_read_exactly_what_the_library_layers_read(tiny_dir, to
              spec_for(tokenizer, "another state, longer than the first", "q1: yes", [5], steps=2, seed=3)]
     layers.install(compiled.model_layers(split.model))
     assert all(getattr(layer.forward, "djev_split", False) for layer in compiled.model_layers(split.model))
-    assert logprobs(split.read(specs)) == logprobs(library.read(specs))  # the same ops in the same order
+    # The same ops in the same order but the decoder's attention, which stacks the query heads of a
+    # KV head (grouped_attention): SDPA then blocks its rows differently, fp32 rounding apart.
+    got, expected = logprobs(split.read(specs)), logprobs(library.read(specs))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     generation = GenerateSpec(Prompt(tuple(tokenizer.render_chat("Think.", "a state", 0, thinking=True))), 16, (),
                               seed=5, temperature=0.0)
     assert split.generate(generation, 16) == library.generate(generation, 16)
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_grouped_attention_is_sdpa_over_repeated_kv_heads(kv_heads):
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from app.engine.layers import grouped_attention
+
+    generator = torch.Generator().manual_seed(kv_heads)
+    queries = torch.randn(3, 4, 5, 8, generator=generator)
+    keys, values = (torch.randn(3, kv_heads, 7, 8, generator=generator) for _ in range(2))
+    mask = torch.rand(3, 1, 5, 7, generator=generator) > 0.4
+    mask[..., 0] = True  # every query row reads at least one key
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        queries, repeat_kv(keys, 4 // kv_heads), repeat_kv(values, 4 // kv_heads), attn_mask=mask, scale=0.3)
+    got = grouped_attention(queries, keys, values, mask, 0.3)
+    assert got.shape == (3, 5, 4, 8)  # [batch, tokens, heads, dim], as the library's attention returns
+    torch.testing.assert_close(got, expected.transpose(1, 2), rtol=1e-6, atol=1e-6)
+
+
+def test_grouped_attention_is_taken_only_for_masked_grouped_sdpa():
+    from app.engine.layers import _packable
+
+    def attention(implementation):
+        return SimpleNamespace(config=SimpleNamespace(_attn_implementation=implementation))
+
+    queries, keys = torch.zeros(2, 4, 3, 8), torch.zeros(2, 2, 6, 8)
+    mask = torch.ones(2, 1, 3, 6, dtype=torch.bool)
+    assert _packable(attention("sdpa"), queries, keys, mask)
+    assert not _packable(attention("eager"), queries, keys, mask)
+    assert not _packable(attention("sdpa"), queries, keys, None)  # SDPA's own grouped kernels run
+    assert not _packable(attention("sdpa"), queries, torch.zeros(2, 4, 6, 8), mask)  # no groups
+    assert not _packable(attention("sdpa"), queries[:, :, :1], keys, mask[:, :, :1])  # one query token
+    assert not _packable(attention("sdpa"), queries, keys, mask.expand(2, 4, 3, 6))  # a mask per head
+
+
 @torch.no_grad()
-def test_compiled_layers_read_exactly_what_the_eager_model_reads(tiny_dir, tokenizer):
+def test_compiled_layers_read_exactly_what_the_eager_split_layers_read(tiny_dir, tokenizer):
     import torch._dynamo.utils
+
+    from app.engine import layers as split_layers
 
     eager, runner = make_tiny_reader(tiny_dir).runner, make_tiny_reader(tiny_dir).runner
     specs = [spec_for(tokenizer, "state one", "q1: yes\nq2: no", [42, 7]),
              spec_for(tokenizer, "another state, longer than the first", "q1: yes", [5], steps=2, seed=3)]
+    split_layers.install(compiled.model_layers(eager.model))  # the split forward, eager
     expected = eager.read(specs)
 
     layers = compiled.model_layers(runner.model)
