@@ -30,6 +30,10 @@ SWEEP = [  # block_m, block_n, block_k, warps, stages
     (64, 128, 64, 8, 3), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
     (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (128, 256, 64, 8, 3),
 ]
+DOWN_SWEEP = [  # the down kernel's own tiles under the LARGE block_m (its K is the expert FFN, 704)
+    (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (128, 64, 128, 4, 3), (128, 128, 32, 4, 5),
+    (128, 256, 32, 8, 4), (128, 128, 64, 4, 4),
+]
 
 
 class Experts:
@@ -90,6 +94,11 @@ def main() -> None:
     module = Experts(gate_up, down)
     expert_bytes = (gate_up[0].numel() + down[0].numel()) * 2
     library = torch.compile(lambda x, i, w: grouped_mm_experts_forward(module, x, i, w), dynamic=False)
+    summed = torch.compile(fused_moe.weighted_sum, dynamic=False)  # compiled, as in the server's layers
+
+    def kernels(x: Any, index: Any, weights: Any, config: Any = None, down_config: Any = None) -> Any:
+        return summed(fused_moe.expert_rows(x, index, gate_up, down, config, down_config), weights)
+
     rows: list[dict[str, Any]] = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; experts {EXPERTS} x top-{TOP_K}, "
           f"hidden {HIDDEN}, expert FFN {INTER}, bf16; CUDA-graph replays, median of {args.reps}", flush=True)
@@ -118,7 +127,7 @@ def main() -> None:
         base = measure("grouped_mm (compiled)", lambda: library(x, index, weights))
         chosen_config = fused_moe.block_config(tokens * TOP_K, EXPERTS)
         fused = measure(f"djev kernels {tuple(vars(chosen_config).values())}",
-                        lambda: fused_moe.run_experts(x, index, weights, gate_up, down))
+                        lambda: kernels(x, index, weights))
         print(f"  tokens {tokens:6d}  kernels / grouped_mm: {fused['ms'] / base['ms']:.2f}x", flush=True)
         if args.sweep:
             for values in SWEEP:
@@ -126,10 +135,17 @@ def main() -> None:
                 if config == chosen_config:
                     continue
                 try:
-                    measure(f"  sweep {values}", lambda c=config: fused_moe.run_experts(x, index, weights, gate_up,
-                                                                                         down, c))
+                    measure(f"  sweep {values}", lambda c=config: kernels(x, index, weights, c))
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: reported, not fatal
                     print(f"  tokens {tokens:6d}  sweep {values}: failed {type(exc).__name__}: {exc}"[:200], flush=True)
+            if chosen_config == fused_moe.LARGE:
+                for values in DOWN_SWEEP:
+                    config = fused_moe.BlockConfig(*values)
+                    try:
+                        measure(f"  down {values}", lambda c=config: kernels(x, index, weights, chosen_config, c))
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"  tokens {tokens:6d}  down {values}: failed {type(exc).__name__}: {exc}"[:200],
+                              flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -14,16 +14,20 @@ Here, per layer:
   2. `gate_up_kernel`: for each block of pairs of one expert, the gate and up projections of the
      tokens, read straight from the hidden states by token index, the activation and their product,
      written to an [pairs, intermediate] buffer in the pairs' own order;
-  3. `down_kernel`: the down projection of those rows, times the pair's routing weight, written to
-     an fp32 [pairs, hidden] buffer in the pairs' own order, which a sum over each token's top-k rows
-     turns into the layer's output.
+  3. `down_kernel`: the down projection of those rows, written to a [pairs, hidden] buffer in the
+     model's dtype, in the pairs' own order;
+  4. `weighted_sum`: each token's top-k rows times their routing weights, summed. It runs outside
+     the custom op, in the compiled layer piece that calls the experts (app/engine/layers.py), where
+     inductor fuses it with the norm after it: the rows are read once, in the model's dtype (an fp32
+     buffer of weighted rows, written by the kernel and read by a separate sum, cost ~8 ms of a
+     32-prompt read on an H200).
 No pair is gathered or scattered through a copy of the hidden states, and an expert that no token
 chose reads no weight.
 
 Numerics follow the grouped_mm path step by step: each projection is accumulated in fp32 and
 rounded to the model's dtype; the activation and the product are rounded as eager PyTorch rounds
 them; the routing weight multiplies in fp32 and the top-k sum is fp32, rounded once. Only the
-order of the GEMMs' fp32 accumulation differs (tests/engine/test_fused_moe.py checks the kernels
+order of the fp32 accumulations differs (tests/engine/test_fused_moe.py checks the kernels
 against transformers' own experts, through Triton's interpreter on the CPU).
 
 Triton is imported lazily: the CPU install never needs it.
@@ -104,12 +108,27 @@ def fused_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
     """The experts' output [tokens, hidden] for `hidden_states` [tokens, hidden], each token's
     `top_k_index` / `top_k_weights` [tokens, top_k], and the stacked weights gate_up_proj
     [experts, 2 x inter, hidden] (gate rows first) and down_proj [experts, hidden, inter]."""
-    return run_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    return weighted_sum(expert_rows(hidden_states, top_k_index, gate_up_proj, down_proj), top_k_weights)
 
 
-def run_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, config: BlockConfig | None = None) -> torch.Tensor:
-    """`fused_experts` with the tiles given (bench/bench_gpu_moe.py tries several); None = block_config's."""
+def weighted_sum(rows: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Each token's top-k expert rows ([tokens x top_k, hidden], in the pairs' order) times their
+    routing weights, summed in fp32 slot by slot and rounded once to the rows' dtype."""
+    tokens, top_k = top_k_weights.shape
+    rows = rows.view(tokens, top_k, -1)
+    weights = top_k_weights.to(torch.float32).unsqueeze(-1)
+    total = rows[:, 0].to(torch.float32) * weights[:, 0]
+    for slot in range(1, top_k):
+        total = total + rows[:, slot].to(torch.float32) * weights[:, slot]
+    return total.to(rows.dtype)
+
+
+def expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_proj: torch.Tensor,
+                down_proj: torch.Tensor, config: BlockConfig | None = None,
+                down: BlockConfig | None = None) -> torch.Tensor:
+    """Every token-expert pair's expert output [tokens x top_k, hidden] in the model's dtype, before
+    its routing weight: the kernels with the tiles given (bench/bench_gpu_moe.py tries several);
+    None = block_config's. `down`, if given, is the down kernel's own tiles (same block_m)."""
     import triton
 
     from triton.runtime.jit import JITFunction
@@ -122,6 +141,9 @@ def run_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     top_k = top_k_index.shape[1]
     total = tokens * top_k
     config = config or block_config(total, experts)
+    down = down or config
+    if down.block_m != config.block_m:
+        raise ValueError("both kernels read the same blocks of pairs: block_m must match")
     # Triton's interpreter (how the CPU tests run the kernels) makes @triton.jit kernels plain
     # Python functions rather than JITFunctions; the kernels then work around its gaps.
     interpreted = not isinstance(gate_up_kernel, JITFunction)
@@ -138,15 +160,14 @@ def run_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), activated.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, INTERPRETED=interpreted, PRECISION=precision)
-    weighted = torch.empty((total, hidden), dtype=torch.float32, device=x.device)
-    routing = top_k_weights.reshape(-1).to(torch.float32).contiguous()
-    down_kernel[(blocks, triton.cdiv(hidden, config.block_n))](
-        activated, down_proj, weighted, pairs, block_experts, routing,
+    rows = torch.empty((total, hidden), dtype=x.dtype, device=x.device)
+    down_kernel[(blocks, triton.cdiv(hidden, down.block_n))](
+        activated, down_proj, rows, pairs, block_experts,
         total, hidden, inter, experts,
-        activated.stride(0), down_proj.stride(0), down_proj.stride(1), weighted.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, INTERPRETED=interpreted, PRECISION=precision)
-    return weighted.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+        activated.stride(0), down_proj.stride(0), down_proj.stride(1), rows.stride(0),
+        BLOCK_M=down.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        num_warps=down.num_warps, num_stages=down.num_stages, INTERPRETED=interpreted, PRECISION=precision)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------- wiring
@@ -155,16 +176,20 @@ _OP: Any = None
 
 
 def _custom_op() -> Any:
-    """`fused_experts` as a torch custom op, so torch.compile (TORCH_COMPILE compiles the layer piece
+    """`expert_rows` as a torch custom op, so torch.compile (TORCH_COMPILE compiles the layer piece
     that calls the experts) treats it as one opaque call with a known output shape instead of
     tracing Triton."""
     global _OP
     if _OP is None:
-        op = torch.library.custom_op("djev::fused_experts", mutates_args=())(fused_experts)
+        def rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_proj: torch.Tensor,
+                 down_proj: torch.Tensor) -> torch.Tensor:
+            return expert_rows(hidden_states, top_k_index, gate_up_proj, down_proj)
+
+        op = torch.library.custom_op("djev::expert_rows", mutates_args=())(rows)
 
         @op.register_fake
-        def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):  # noqa: ANN001, ANN202
-            return hidden_states.new_empty(hidden_states.shape)
+        def _(hidden_states, top_k_index, gate_up_proj, down_proj):  # noqa: ANN001, ANN202
+            return hidden_states.new_empty((top_k_index.numel(), hidden_states.shape[1]))
 
         _OP = op
     return _OP
@@ -173,7 +198,8 @@ def _custom_op() -> Any:
 def experts_forward(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The forward transformers calls for a DiffusionGemma experts module under IMPLEMENTATION."""
-    return _custom_op()(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
+    rows = _custom_op()(hidden_states, top_k_index, module.gate_up_proj, module.down_proj)
+    return weighted_sum(rows, top_k_weights)
 
 
 def unsupported(config: Any) -> str | None:

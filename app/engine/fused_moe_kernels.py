@@ -82,7 +82,7 @@ def gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_experts_ptr,
 
 
 @triton.jit
-def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_experts_ptr, routing_ptr,
+def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_experts_ptr,
                 total, hidden, inter, experts,
                 stride_hs, stride_we, stride_wn, stride_os,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -106,7 +106,7 @@ def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_experts_ptr, routing_ptr
             h = h.to(tl.float32)
             w = w.to(tl.float32)
         acc += tl.dot(h, w, input_precision=PRECISION)
-    routing = tl.load(routing_ptr + pair_rows, mask=valid, other=0.0)
-    out = rounded(acc, h_ptr.dtype.element_ty, INTERPRETED) * routing[:, None]
+    dtype = out_ptr.dtype.element_ty
+    out = rounded(acc, dtype, INTERPRETED).to(dtype)
     tl.store(out_ptr + pair_rows[:, None] * stride_os + cols[None, :], out,
              mask=valid[:, None] & cols_ok[None, :])
