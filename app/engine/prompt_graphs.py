@@ -26,6 +26,12 @@ batch of prompts is encoded by replaying a graph captured for its bucket:
   row's KV is one contiguous block and every row and layer of a batch is copied out in one
   `torch._foreach_copy_` (one launch instead of rows x layers x 2: 1,920 at 32 prompts).
 
+Batches of EAGER_TOKENS tokens or more run the same static path without a graph: their kernels take
+far longer than eager launches do (a 32-prompt pass is ~160 ms of GPU work on an H200), so a graph
+saves nothing there, while a bucket's padding costs every padded token's full compute. Their rows
+are taken as they are and their length rounded up to EAGER_STEP only (32 tickets of 250-263 tokens:
+32 x 272 tokens instead of 32 x 320).
+
 Prompts longer than the largest bucket, or batches past the size cap, return None: the caller
 encodes them eagerly. With `capture=False` the same static path runs eagerly: that is how the CPU
 tests check it against the eager encoder.
@@ -48,6 +54,10 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 # 300-token prompts a 512 bucket made the encoder 1.7x slower than 320 would), coarse where prompts
 # are long and batches small. Every bucket is captured only when a batch needs it.
 LENGTH_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096)
+
+# At or past this many tokens (rows x length) a pass runs without a graph, unpadded but for EAGER_STEP.
+EAGER_TOKENS = 4096
+EAGER_STEP = 16
 
 # One encoded prompt as the decoder reads it: per layer (keys, values), each [1, heads, n, dim].
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
@@ -122,6 +132,7 @@ class EncoderGraphs:
         capture: bool,
         max_graphs: int = 32,
         max_token_slots: int = 16 * 1024,
+        eager_tokens: int = EAGER_TOKENS,
         row_buckets: Sequence[int] = ROW_BUCKETS,
         length_buckets: Sequence[int] = LENGTH_BUCKETS,
     ) -> None:
@@ -133,12 +144,14 @@ class EncoderGraphs:
         self.capture = capture
         self.max_graphs = max_graphs
         self.max_token_slots = max_token_slots
+        self.eager_tokens = eager_tokens
         self.row_buckets = tuple(row_buckets)
         self.length_buckets = tuple(length_buckets)
         self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.disabled: str | None = None
         self.captures = 0
+        self.last_graphed = False  # whether the last pass was a replay (else unbucketed, eager)
         self._storage: dict[str, torch.Tensor] = {}  # flat buffers every graph's static tensors view
 
     @property
@@ -158,11 +171,22 @@ class EncoderGraphs:
         return storage[: math.prod(shape)].view(shape)
 
     def key(self, rows: int, longest: int) -> tuple[int, int] | None:
+        """(rows, length) of the static pass for a batch: its buckets, or for a batch of `eager_tokens`
+        (EAGER_TOKENS) or more, its own rows and its length rounded up to EAGER_STEP; None past the caps."""
         batch = bucket_of(rows, self.row_buckets)
         length = bucket_of(longest, self.length_buckets)
-        if batch is None or length is None or batch * length > self.max_token_slots:
+        if batch is None or length is None:
+            return None
+        exact = -(-longest // EAGER_STEP) * EAGER_STEP
+        if rows * exact >= self.eager_tokens:
+            batch, length = rows, exact
+        if batch * length > self.max_token_slots:
             return None
         return batch, length
+
+    def graphed(self, key: tuple[int, int]) -> bool:
+        """Whether the pass for `key` is replayed from a graph (else it runs eagerly, unbucketed)."""
+        return key[0] * key[1] < self.eager_tokens
 
     def fits(self, rows: int, longest: int) -> bool:
         return self.disabled is None and self.key(rows, longest) is not None
@@ -200,9 +224,12 @@ class EncoderGraphs:
 
     def _run(self, key: tuple[int, int], lengths: list[int], load: Any) -> list[Layers] | None:
         try:
+            self.last_graphed = self.graphed(key)
             graph = self.graphs.get(key)
             if graph is None:
                 graph = self._build(key)
+                if self.last_graphed:
+                    self._hold(key, graph)
             else:
                 self.graphs.move_to_end(key)
             load(graph)
@@ -249,7 +276,7 @@ class EncoderGraphs:
             cache=_StaticKV(keys, values),
         )
         before = torch.cuda.memory_allocated(self.device) if self.capture else 0
-        if self.capture:
+        if self.capture and self.graphed(key):
             stream = torch.cuda.Stream(device=self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -264,10 +291,12 @@ class EncoderGraphs:
             self.captures += 1
             log.info("captured the encoder pass for %d rows x %d tokens (%.0f MiB)", batch, length,
                      graph.memory / 2**20)
+        return graph
+
+    def _hold(self, key: tuple[int, int], graph: _Graph) -> None:
         self.graphs[key] = graph
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
-        return graph
 
     def _forward(self, graph: _Graph) -> None:
         """The encoder pass over the static inputs: causal attention without a mask (None makes SDPA

@@ -352,12 +352,13 @@ class PromptEncodingMixin:
         return embeds[0]
 
     def _encode_ids(self, rows: list[list[int]]) -> list:
-        """Each row's KV layers: one graph replay, or one eager left-padded encoder pass."""
+        """Each row's KV layers: one pass on the encoder graphs' static path, or one eager
+        left-padded encoder pass."""
         self.stats["encoder_passes"] += 1
         if self.encoder_graphs is not None:
             replayed = self.encoder_graphs.encode_ids(rows, self._pad_id())
             if replayed is not None:
-                self.stats["encoder_graph_replays"] += 1
+                self._count_static_pass()
                 return replayed
         embeds = self.model.model.encoder.get_input_embeddings()(self._left_padded(rows))
         return self._encode_eager(embeds, [len(ids) for ids in rows])
@@ -367,12 +368,17 @@ class PromptEncodingMixin:
         if self.encoder_graphs is not None:
             replayed = self.encoder_graphs.encode_embeds(rows)
             if replayed is not None:
-                self.stats["encoder_graph_replays"] += 1
+                self._count_static_pass()
                 return replayed
         lengths = [int(row.shape[0]) for row in rows]
         longest = max(lengths)
         embeds = torch.stack([F.pad(row, (0, 0, longest - row.shape[0], 0)) for row in rows])
         return self._encode_eager(embeds, lengths)
+
+    def _count_static_pass(self) -> None:
+        """A pass on the encoder graphs' static path: a replay, or a large batch's ungraphed pass."""
+        graphed = self.encoder_graphs.last_graphed
+        self.stats["encoder_graph_replays" if graphed else "encoder_unbucketed_passes"] += 1
 
     def _left_padded(self, rows: list[list[int]]) -> torch.Tensor:
         longest = max(len(ids) for ids in rows)

@@ -88,6 +88,25 @@ def test_batches_split_at_the_graph_buckets_and_graphs_are_bounded(tiny_dir, tok
     assert len(runner.encoder_graphs.graphs) == 2
 
 
+@torch.no_grad()
+def test_a_large_batch_runs_the_static_path_unbucketed_without_a_graph(tiny_dir, runners, tokenizer):
+    eager, _ = runners
+    runner = graphed_runner(tiny_dir, eager_tokens=96)  # tiny: "large" from 96 tokens
+    prompts = [text_prompt(tokenizer, 8, "u"), text_prompt(tokenizer, 11, "v"), text_prompt(tokenizer, 9, "w")]
+    longest = max(len(p.ids) for p in prompts)
+    key = runner.encoder_graphs.key(3, longest)
+    assert key == (3, -(-longest // 16) * 16)  # its own rows, its length to a multiple of 16
+    assert key != (4, bucket_of(longest, LENGTHS)) and not runner.encoder_graphs.graphed(key)
+    together = runner.encode_many(prompts)
+    assert runner.stats["encoder_passes"] == runner.stats["encoder_unbucketed_passes"] == 1
+    assert "encoder_graph_replays" not in runner.stats and not runner.encoder_graphs.graphs  # nothing held
+    for prompt, encoded in zip(prompts, together):
+        assert_same_kv(eager.encode_many([prompt])[0], encoded)
+    short = len(text_prompt(tokenizer, 2, "x").ids)  # under the threshold: the buckets, a graph
+    small = runner.encoder_graphs.key(1, short)
+    assert small == (1, bucket_of(short, LENGTHS)) and runner.encoder_graphs.graphed(small)
+
+
 def jpeg(colour: tuple[int, int, int]) -> bytes:
     from PIL import Image
 
