@@ -29,6 +29,7 @@ import asyncio
 import io
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -143,6 +144,19 @@ async def timed_decisions(decider: Any, bodies: Sequence[dict], images: Sequence
     return seconds
 
 
+def batch_timeline(batches: list[tuple[float, float, int]], elapsed: float) -> dict[str, float]:
+    """Where a closed loop's time went, from each read batch's (start, end, rows): the share of the
+    time a batch was running, batch time and rows, and the idle gap between one batch's end and the
+    next one's start (clients turning round, the gather window)."""
+    if not batches:
+        return {}
+    gaps = [nxt[0] - prev[1] for prev, nxt in zip(batches, batches[1:])]
+    return {"batches": len(batches), "busy_share": round(sum(end - start for start, end, _ in batches) / elapsed, 3),
+            "batch_ms": round(statistics.median(end - start for start, end, _ in batches) * 1000, 1),
+            "gap_ms": round(statistics.median(gaps) * 1000, 1) if gaps else 0.0,
+            "rows_min": min(rows for *_, rows in batches), "rows_max": max(rows for *_, rows in batches)}
+
+
 async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, seed: int) -> dict[str, Any]:
     from app.config import Settings
     from app.decisions.request import parse_decision
@@ -150,6 +164,15 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
     latencies: list[float] = []
     deadline = time.perf_counter() + duration
     before = dict(reader.stats)
+    batches: list[tuple[float, float, int]] = []
+    read_batch = reader._read_batch
+
+    async def timed_batch(loop: Any, batch: list) -> None:
+        started = time.perf_counter()
+        try:
+            await read_batch(loop, batch)
+        finally:
+            batches.append((started, time.perf_counter(), sum(job.rows for job in batch)))
 
     async def client(number: int) -> None:
         rng = random.Random(seed * 1000 + number)
@@ -159,7 +182,11 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
             latencies.append(time.perf_counter() - started)
 
     started = time.perf_counter()
-    await asyncio.gather(*(client(n) for n in range(clients)))
+    reader._read_batch = timed_batch  # the engine loop looks it up on every batch
+    try:
+        await asyncio.gather(*(client(n) for n in range(clients)))
+    finally:
+        del reader._read_batch
     elapsed = time.perf_counter() - started
     delta = {key: value - before.get(key, 0) for key, value in reader.stats.items()}
     requests = len(latencies)
@@ -167,7 +194,8 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
     return {"clients": clients, "requests": requests, "req_per_s": requests / elapsed,
             "decisions_per_s": 3 * requests / elapsed, **latency_summary(latencies),
             "canvases_per_pass": delta.get("decoder_rows", 0) / passes,
-            "encoder_passes_per_request": delta.get("encoder_passes", 0) / max(requests, 1)}
+            "encoder_passes_per_request": delta.get("encoder_passes", 0) / max(requests, 1),
+            "timeline": batch_timeline(batches, elapsed)}
 
 
 def questions(count: int) -> dict:
@@ -253,7 +281,7 @@ async def gather_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> l
                 points.append(point)
                 print(f"  gather {gather_ms:g} ms, {clients} clients: {point['req_per_s']:.2f} req/s, "
                       f"p50 {point['p50_ms']:.0f} ms, p95 {point['p95_ms']:.0f} ms, "
-                      f"{point['canvases_per_pass']:.1f} canvases a pass", flush=True)
+                      f"{point['canvases_per_pass']:.1f} canvases a pass; batches {point['timeline']}", flush=True)
     finally:
         reader.options = configured
     return points
@@ -310,7 +338,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             point = await closed_loop(decider, reader, clients, args.seconds, seed=clients)
             results["curve"].append(point)
             print(f"  {clients} clients: {point['req_per_s']:.2f} req/s, p50 {point['p50_ms']:.0f} ms, "
-                  f"p95 {point['p95_ms']:.0f} ms", flush=True)
+                  f"p95 {point['p95_ms']:.0f} ms; batches {point['timeline']}", flush=True)
 
         results["gather"] = await gather_sweep(decider, reader, args)
 
@@ -452,6 +480,14 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         markdown_table(["clients", "requests", "req/s", "p50 ms", "p95 ms", "canvases per decoder pass",
                         "naive reads/s (one eager batch of min(clients, 32))", "engine / naive"], curve),
+        "",
+        "read batches at each level (busy: share of the time a batch ran; gap: median idle time between "
+        "batches; medians):",
+        "",
+        markdown_table(["clients", "batches", "busy", "batch ms", "gap ms", "rows min-max"],
+                       [[p["clients"], t.get("batches"), t.get("busy_share"), t.get("batch_ms"), t.get("gap_ms"),
+                         f"{t.get('rows_min')}-{t.get('rows_max')}"]
+                        for p in results["curve"] for t in [p.get("timeline") or {}]]),
     ]
     if results.get("gather"):
         lines += ["", markdown_table(["gather ms (BATCH_GATHER_MS)", "clients", "req/s", "p50 ms", "p95 ms",
