@@ -57,12 +57,16 @@ class BlockConfig:
 # Tiles by the pairs an expert gets on average, from bench/bench_gpu_moe.py --sweep on an H200
 # (docs/benchmarks.md). With 128 experts x top-8: up to 128 tokens (a canvas or four), 512 (eight to
 # sixteen canvases, a prompt), 1024 (32 canvases), and past that (a batch of prompts) LARGE. There
-# the work is compute-bound and transformers' grouped_mm (cuBLAS/CUTLASS grouped GEMM, its glue
-# compiled) is ~8 % faster (2.75 vs 2.96 ms a layer at 10,240 tokens); the kernels still run, because
-# a choice made outside the custom op would be a size guard in every compiled layer, recompiling
-# each tile range of every shape on first use (seconds each, measured on the H200).
+# the work is compute-bound: with the rows in bf16 (weighted_sum) the kernels match transformers'
+# grouped_mm (cuBLAS/CUTLASS grouped GEMM, its glue compiled): 2.62 vs 2.70 ms a layer at 10,240
+# tokens, 2.47 with DOWN_TILES. (A choice between the two made outside the custom op would be a size
+# guard in every compiled layer, recompiling each tile range of every shape on first use: seconds
+# each, measured on the H200.)
 TILES = ((8, BlockConfig(16, 64, 128, 4, 3)), (32, BlockConfig(32, 64, 128, 4, 3)), (64, BlockConfig(64, 64, 64, 4, 4)))
 LARGE = BlockConfig(128, 128, 64, 8, 3)
+# The down kernel's own tiles where they differ (same block_m): its K is the expert FFN (704), and
+# wider blocks of hidden columns are 6 % faster there (2.47 vs 2.62 ms a layer at 10,240 tokens).
+DOWN_TILES = {LARGE: BlockConfig(128, 256, 64, 8, 3)}
 
 
 def block_config(pairs: int, experts: int) -> BlockConfig:
@@ -141,7 +145,7 @@ def expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_
     top_k = top_k_index.shape[1]
     total = tokens * top_k
     config = config or block_config(total, experts)
-    down = down or config
+    down = down or DOWN_TILES.get(config, config)
     if down.block_m != config.block_m:
         raise ValueError("both kernels read the same blocks of pairs: block_m must match")
     # Triton's interpreter (how the CPU tests run the kernels) makes @triton.jit kernels plain
