@@ -14,6 +14,9 @@ static path.
     python bench/check_gpu_numerics.py 6:float32    # one model size and dtype (layers:dtype ...)
     python bench/check_gpu_numerics.py --fused-moe  # every path through the experts' Triton kernels
                                                     # (FUSED_MOE), and those reads against grouped_mm's
+    python bench/check_gpu_numerics.py --split      # every path through the split layer forward that
+                                                    # TORCH_COMPILE compiles (app/engine/layers.py, run
+                                                    # eagerly here), and those reads against the library's
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def main() -> None:
 
     device = torch.device("cuda")
     fused = "--fused-moe" in sys.argv[1:]
-    sizes = [arg for arg in sys.argv[1:] if arg != "--fused-moe"]
+    split = "--split" in sys.argv[1:]
+    sizes = [arg for arg in sys.argv[1:] if arg not in ("--fused-moe", "--split")]
     for layers, dtype in [(int(n), getattr(torch, t)) for n, t in (c.split(":") for c in sizes)] or \
             ((6, torch.float32), (6, torch.bfloat16), (30, torch.bfloat16)):
         config = DiffusionGemmaConfig(text_config=dict(FULL_TEXT_CONFIG, num_hidden_layers=layers),
@@ -76,6 +80,16 @@ def main() -> None:
             alone = [plain.read([spec])[0] for spec in reads]
             print(f"{layers} layers, {str(dtype).replace('torch.', '')}: experts as djev's Triton kernels")
             print("  kernels vs grouped_mm, alone    ", [largest_difference(a, b) for a, b in zip(grouped_alone, alone)])
+        if split:
+            from app.engine.compiled import model_layers
+            from app.engine.layers import install
+
+            library_alone = alone
+            install(model_layers(model))
+            plain = runner()
+            alone = [plain.read([spec])[0] for spec in reads]
+            print(f"{layers} layers, {str(dtype).replace('torch.', '')}: the split layer forward")
+            print("  split vs library, alone         ", [largest_difference(a, b) for a, b in zip(library_alone, alone)])
         together = runner().read(reads)
         static_reads = [runner(static_decoder=True).read([spec])[0] for spec in reads]
         encoder_static = runner(static_encoder=True)
@@ -98,6 +112,8 @@ def main() -> None:
         print("  decoder static vs alone          ", [largest_difference(a, b) for a, b in zip(alone, static_reads)])
         print("  encoder static vs alone          ", [largest_difference(a, b) for a, b in zip(alone, encoder_reads)],
               f"(largest KV difference {kv:.2e}; KV rows off by > 1e-2: {kv_rows})")
+        print("  batched, both static vs alone    ", [largest_difference(a, b) for a, b in zip(alone, static_batch)],
+              f"(encoder passes unbucketed: {both_static.stats.get('encoder_unbucketed_passes', 0)})")
         print("  graph replay vs both static      ", [largest_difference(a, b) for a, b in zip(both_reads, graph_reads)])
         print("  batched graph replay vs static   ", [largest_difference(a, b) for a, b in zip(static_batch, graph_batch)],
               f"(decoder captured {graphed.graphs.captures}, disabled: {graphed.graphs.disabled}; encoder captured "
