@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import fmt, header, latency_summary, machine, markdown_table, write_json  # noqa: E402
+from bench.common import CollectorPauses, fmt, header, latency_summary, machine, markdown_table, write_json  # noqa: E402
 from bench.naive import measure_naive, ratio  # noqa: E402
 
 # The published config of google/diffusiongemma-26B-A4B-it. The rest -- RoPE per layer type, softcap 30,
@@ -140,16 +140,20 @@ def timed(call: Callable[[], Any], warmup: int, reps: int, runner: Any, sync: Ca
         call()
     sync()
     warmup_s = time.perf_counter() - warm_started  # includes graph captures (and compiles, mode "compiled")
+    from app.engine.hf import settle_heap
+
+    settle_heap()  # as the server does once loaded and warmed up
     seconds: list[float] = []
     before = dict(runner.stats)
-    for _ in range(reps):
-        sync()
-        started = time.perf_counter()
-        call()
-        sync()
-        seconds.append(time.perf_counter() - started)
+    with CollectorPauses() as pauses:
+        for _ in range(reps):
+            sync()
+            started = time.perf_counter()
+            call()
+            sync()
+            seconds.append(time.perf_counter() - started)
     delta = {key: value - before.get(key, 0) for key, value in runner.stats.items()}
-    return {**latency_summary(seconds), "warmup_s": round(warmup_s, 1),
+    return {**latency_summary(seconds), **pauses.summary(), "warmup_s": round(warmup_s, 1),
             "encoder_passes_per_call": delta.get("encoder_passes", 0) / reps,
             "decoder_passes_per_call": delta.get("decoder_passes", 0) / reps}
 
@@ -209,7 +213,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                           experts=getattr(model.config, "_experts_implementation", None),
                           reads_per_s=reads / (result["p50_ms"] / 1000), naive_ms=list(naive_ms))
             cases.append(result)
-            print(f"  {name} [{mode}]: median {result['p50_ms']:.1f} ms (warm-up {result['warmup_s']} s)", flush=True)
+            print(f"  {name} [{mode}]: median {result['p50_ms']:.1f} ms, max {result['max_ms']:.1f} (warm-up "
+                  f"{result['warmup_s']} s; collector: {result['gc_passes']} passes, {result['gc_full_passes']} full, "
+                  f"longest {result['gc_longest_ms']} ms)", flush=True)
 
         eager_ms = naive.get("full_read_eager", {})
         static_ms = naive.get("full_read_static_graph", {})

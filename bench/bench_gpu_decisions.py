@@ -38,7 +38,7 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_gpu import FULL_TEXT_CONFIG, build_model  # noqa: E402
-from bench.common import fmt, header, latency_summary, machine, markdown_table, write_json  # noqa: E402
+from bench.common import CollectorPauses, fmt, header, latency_summary, machine, markdown_table, write_json  # noqa: E402
 from bench.naive import measure_naive, ratio  # noqa: E402
 
 TICKET_QUESTIONS = {
@@ -184,7 +184,8 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
     started = time.perf_counter()
     reader._read_batch = timed_batch  # the engine loop looks it up on every batch
     try:
-        await asyncio.gather(*(client(n) for n in range(clients)))
+        with CollectorPauses() as pauses:
+            await asyncio.gather(*(client(n) for n in range(clients)))
     finally:
         del reader._read_batch
     elapsed = time.perf_counter() - started
@@ -195,7 +196,7 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
             "decisions_per_s": 3 * requests / elapsed, **latency_summary(latencies),
             "canvases_per_pass": delta.get("decoder_rows", 0) / passes,
             "encoder_passes_per_request": delta.get("encoder_passes", 0) / max(requests, 1),
-            "timeline": batch_timeline(batches, elapsed)}
+            "timeline": {**batch_timeline(batches, elapsed), **pauses.summary()}}
 
 
 def questions(count: int) -> dict:
@@ -292,6 +293,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from app.decisions.run import Decider
     from app.engine.base import ImageInput
+    from app.engine.hf import settle_heap
 
     started = time.perf_counter()
     reader, settings, model = build_reader(args)
@@ -325,6 +327,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(0)
     try:
         await timed_decisions(decider, [ticket(rng) for _ in range(args.warmup)])
+        settle_heap()  # as load_hf_reader does once the model is loaded and warmed up
         results["unique"] = latency_summary(await timed_decisions(decider, [ticket(rng) for _ in range(args.reps)]))
         same = ticket(rng)
         await timed_decisions(decider, [same])

@@ -13,6 +13,7 @@ so they are comparable with numbers from numpy-based tools.
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import json
 import os
@@ -22,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -68,6 +70,32 @@ def latency_summary(seconds: Sequence[float]) -> dict[str, float]:
         "min_ms": round(min(ms), 3),
         "max_ms": round(max(ms), 3),
     }
+
+
+class CollectorPauses:
+    """The garbage collector's passes while the block runs: how many, and the longest, in ms
+    (gc.callbacks; a full pass over a loaded model's heap can cost hundreds of ms)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []  # (generation, ms)
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append((int(info["generation"]), (time.perf_counter() - self._started) * 1000))
+
+    def __enter__(self) -> "CollectorPauses":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, float]:
+        return {"gc_passes": len(self.pauses), "gc_full_passes": sum(1 for g, _ in self.pauses if g == 2),
+                "gc_longest_ms": round(max((ms for _, ms in self.pauses), default=0.0), 1)}
 
 
 def fmt(value: float, digits: int = 1) -> str:

@@ -16,6 +16,7 @@ and nothing outlives the job.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 from collections import deque
@@ -71,6 +72,17 @@ def pick_device(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return requested
+
+
+def settle_heap() -> int:
+    """Set every object alive now (the model, the libraries, the compiled code) aside from the
+    garbage collector's passes, which otherwise walk them all in every full pass: several hundred
+    thousand objects, ~170 ms a pass on this project's CPU box, and a 32-prompt read on an H200
+    that now and then took 500 ms more than its median (docs/benchmarks.md). Called once the model
+    is loaded and warmed up; returns how many objects are set aside (they stay alive for good, so
+    cyclic garbage of the start-up stays too: a few objects, once)."""
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
@@ -130,6 +142,7 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
 
         log.info("compiling the model's parts before the first request (TORCH_COMPILE) ...")
         log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
+    log.info("%d objects set aside from the garbage collector's full passes", settle_heap())
     device_label = torch.cuda.get_device_name(device) if on_cuda else "cpu"
     info = ReaderInfo(
         model=options.served_name or path.name,
@@ -221,6 +234,7 @@ class HFReader:
         self._executor: ThreadPoolExecutor | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._busy = False  # the last read batch served several callers, or more were waiting
+        self._last_rows = 0  # canvases in the last read batch: the callers likely to come back under load
         self._image_executor: ThreadPoolExecutor | None = None
         self._images_held = 0  # preprocessed images reserved or riding with queued jobs
 
@@ -389,7 +403,7 @@ class HFReader:
                 # Under load, closed-loop clients otherwise split into two half-batches that take
                 # turns; a short wait lets the reads being planned right now join this batch. A lone
                 # caller (the last batch served one job) never waits.
-                await asyncio.sleep(self.options.gather_ms / 1000)
+                await self._gather(job)
             batch = [job]
             rows = job.rows
             while self._queue and isinstance(self._queue[0], _ReadJob):
@@ -403,8 +417,38 @@ class HFReader:
                 rows += nxt.rows
             await self._read_batch(loop, batch)
 
+    async def _gather(self, first: _ReadJob) -> None:
+        """Wait up to `gather_ms` for more reads to join `first`'s batch, ending as soon as the queue
+        holds as many canvases as the last batch had (the callers it served, back with their next
+        read) or a full batch: the wait costs nothing once they are all in, and a caller a little
+        late still rides this batch rather than the next (measured: docs/benchmarks.md)."""
+        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.gather_ms / 1000
+        wanted = min(max(self._last_rows, 2), self.options.max_batch_rows)
+        while first.rows + self._queued_read_rows() < wanted:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()  # _submit sets it for every job it queues
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    def _queued_read_rows(self) -> int:
+        """Canvases of the read jobs at the head of the queue (what a batch formed now would take)."""
+        rows = 0
+        for job in self._queue:
+            if not isinstance(job, _ReadJob):
+                break
+            if not job.dropped:
+                rows += job.rows
+        return rows
+
     async def _read_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_ReadJob]) -> None:
         self._busy = len(batch) > 1 or bool(self._queue)
+        self._last_rows = sum(job.rows for job in batch)
         specs = [spec for job in batch for spec in job.specs]
         images: dict[tuple, Any] = {}
         for job in batch:

@@ -232,3 +232,15 @@ def test_the_static_buffer_path_of_cuda_graphs_equals_the_eager_pass(tiny_reader
     assert torch.allclose(static, eager, atol=1e-4)
     assert torch.allclose(again, eager[:2], atol=1e-4)
     assert len(graphs.graphs) == 2 and graphs.disabled is None
+
+
+def test_loading_sets_the_heap_aside_from_the_collectors_passes(tiny_dir):
+    import gc
+
+    from tests.conftest import make_tiny_reader
+
+    gc.unfreeze()
+    reader = make_tiny_reader(tiny_dir)
+    frozen = gc.get_freeze_count()
+    assert frozen > 10_000  # the model, the libraries: out of every later full pass
+    assert not any(obj is reader.runner.model for obj in gc.get_objects(generation=2))
