@@ -35,6 +35,13 @@ def model_layers(model: Any) -> list[Any]:
     return [*inner.encoder.language_model.layers, *inner.decoder.layers]
 
 
+def vision_layers(model: Any) -> list[Any]:
+    """The vision tower's encoder layers, or none for a model without one."""
+    tower = getattr(model.model.encoder, "vision_tower", None)
+    encoder = getattr(tower, "encoder", None)
+    return list(getattr(encoder, "layers", ()))
+
+
 def configure_thread() -> None:
     """torch.compile's limits for the calling thread: torch keeps them per thread, so every thread
     that runs the model calls this (HFReader's engine thread does, at its start). A part past the
@@ -49,18 +56,25 @@ def configure_thread() -> None:
 
 
 def compile_layers(model: Any, backend: str = "inductor") -> int:
-    """Give every text layer the split forward with its two pieces compiled (app/engine/layers.py);
-    returns how many layers. Configures the calling thread (`configure_thread`); other threads that
-    run the model must configure themselves."""
+    """Give every text layer the split forward with its two pieces compiled (app/engine/layers.py),
+    and every vision encoder layer its forward compiled; returns how many text layers. Configures
+    the calling thread (`configure_thread`); other threads that run the model must configure
+    themselves."""
     import torch
 
-    from app.engine.layers import install
+    from app.engine.layers import install, install_vision
 
     configure_thread()
     layers = model_layers(model)
-    install(layers, compile=lambda function: torch.compile(function, backend=backend, dynamic=None))
-    log.info("torch.compile (%s) on the %d text layers' attention inputs and feed-forward halves: each new "
-             "shape compiles on first use", backend, len(layers))
+
+    def compile(function: Any) -> Any:
+        return torch.compile(function, backend=backend, dynamic=None)
+
+    install(layers, compile=compile)
+    vision = vision_layers(model)
+    install_vision(vision, compile=compile)
+    log.info("torch.compile (%s) on the %d text layers' attention inputs and feed-forward halves and the %d "
+             "vision layers: each new shape compiles on first use", backend, len(layers), len(vision))
     return len(layers)
 
 
@@ -71,11 +85,13 @@ WARM_UP_ROWS = (1, 2)
 
 def warm_up(runner: Any, canvas_length: int) -> float:
     """Compile before the first request does: one text read at each of WARM_UP_ROWS batch sizes, through the runner's
-    own path, CUDA graphs included. Returns the seconds it took (about 50 s on an H200, measured);
-    the prompt KV these reads leave in the LRU is dropped."""
+    own path, CUDA graphs included, and one read of an image when the runner reads images (the
+    vision layers compile there, not on a walker's first frame). Returns the seconds it took (about
+    50 s on an H200, measured); the prompt KV and vision features these reads leave in the LRUs are
+    dropped."""
     import time
 
-    from app.engine.base import Prompt, ReadSpec
+    from app.engine.base import ImageInput, Prompt, ReadSpec
 
     started = time.perf_counter()
     width = max(4, canvas_length)
@@ -83,9 +99,30 @@ def warm_up(runner: Any, canvas_length: int) -> float:
     for count in WARM_UP_ROWS:
         specs = [ReadSpec(Prompt(tuple(range(base + 97 * row, base + 97 * row + 64 + 16 * row))),
                           ((0,) * width,), (1,), ((base, base + 1),)) for row in range(count)]
-        failed = [result for result in runner.read(specs) if isinstance(result, Exception)]
-        if failed:
-            raise RuntimeError(f"the warm-up read failed: {failed[0]}")
+        _read_all(runner, specs)
+    if getattr(runner, "image_processor", None) is not None and vision_layers(runner.model):
+        ids = (*range(base, base + 32), int(runner.config.image_token_id))
+        picture = ImageInput(_grey_jpeg(), "image/jpeg", "warm-up")
+        _read_all(runner, [ReadSpec(Prompt(ids, (picture,)), ((0,) * width,), (1,), ((base, base + 1),))])
     runner.prompts.clear()
+    runner.vision.clear()
     runner.stats.clear()  # the counters (and /metrics) start at the first request
     return time.perf_counter() - started
+
+
+def _read_all(runner: Any, specs: list) -> None:
+    failed = [result for result in runner.read(specs) if isinstance(result, Exception)]
+    if failed:
+        raise RuntimeError(f"the warm-up read failed: {failed[0]}")
+
+
+def _grey_jpeg() -> bytes:
+    """A small grey JPEG: the image processor pads every picture to the same patch budget, so its
+    shapes are a camera frame's."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (128, 128, 128)).save(buffer, "JPEG")
+    return buffer.getvalue()

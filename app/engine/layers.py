@@ -131,3 +131,28 @@ def _split_forward(layer: Any, inputs: Callable, rest: Callable) -> Callable:
 
     forward.djev_split = True  # type: ignore[attr-defined]
     return forward
+
+
+def vision_layer(layer: Any, hidden_states: torch.Tensor, position_embeddings: Any, attention_mask: Any,
+                 position_ids: Any) -> torch.Tensor:
+    """A vision encoder layer's own forward, with the layer an argument: compiled once, it serves
+    every layer of the tower (a vision layer reads no layer number)."""
+    return type(layer).forward(layer, hidden_states, position_embeddings=position_embeddings,
+                               attention_mask=attention_mask, position_ids=position_ids)
+
+
+def install_vision(layers: list[Any], compile: Callable[[Callable], Callable] | None = None) -> None:
+    """Give each vision encoder layer a forward through `vision_layer` (compiled when `compile` is
+    given): the tower's norms, rotary and residual kernels fused instead of replayed one by one."""
+    body = compile(vision_layer) if compile else vision_layer
+    for layer in layers:
+        layer.forward = _vision_forward(layer, body)
+
+
+def _vision_forward(layer: Any, body: Callable) -> Callable:
+    def forward(hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+                position_ids: Any = None, **kwargs: Any) -> torch.Tensor:
+        return body(layer, hidden_states, position_embeddings, attention_mask, position_ids)
+
+    forward.djev_split = True  # type: ignore[attr-defined]
+    return forward

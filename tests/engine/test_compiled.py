@@ -105,10 +105,37 @@ def test_compiled_layers_read_exactly_what_the_eager_split_layers_read(tiny_dir,
 
 def test_warm_up_reads_then_leaves_no_prompt_or_counter_behind(tiny_dir):
     runner = make_tiny_reader(tiny_dir).runner
+    read, specs = runner.read, []
+    runner.read = lambda batch, *rest: (specs.extend(batch), read(batch, *rest))[1]
     seconds = compiled.warm_up(runner, canvas_length=16)
     assert seconds > 0
-    assert len(runner.prompts) == 0
+    assert [len(spec.prompt.images) for spec in specs] == [0, 0, 0, 1]  # rows 1 and 2, then an image
+    assert len(runner.prompts) == 0 and len(runner.vision) == 0
     assert not runner.stats
+
+
+@torch.no_grad()
+def test_compiled_vision_layers_see_exactly_what_the_library_sees(tiny_dir):
+    import io
+
+    from PIL import Image
+
+    from app.engine.base import ImageInput
+
+    eager, runner = make_tiny_reader(tiny_dir).runner, make_tiny_reader(tiny_dir).runner
+    buffer = io.BytesIO()
+    Image.new("RGB", (80, 60), (200, 40, 90)).save(buffer, "JPEG")
+    prompt = Prompt((5, 6, int(eager.config.image_token_id), 7), (ImageInput(buffer.getvalue(), "image/jpeg"),))
+
+    def features(reader_runner):
+        inputs = reader_runner._expand(prompt)
+        return reader_runner._input_embeds(inputs)
+
+    expected = features(eager)
+    compiled.compile_layers(runner.model, backend="aot_eager")
+    vision = compiled.vision_layers(runner.model)
+    assert vision and all(getattr(layer.forward, "djev_split", False) for layer in vision)
+    assert torch.equal(features(runner), expected)
 
 
 def test_compile_limits_are_set_on_the_calling_thread_and_the_engine_thread():
