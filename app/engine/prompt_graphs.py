@@ -30,7 +30,7 @@ Batches of EAGER_TOKENS tokens or more run the same static path without a graph:
 far longer than eager launches do (a 32-prompt pass is ~160 ms of GPU work on an H200), so a graph
 saves nothing there, while a bucket's padding costs every padded token's full compute. Their rows
 are taken as they are and their length rounded up to EAGER_STEP only (32 tickets of 250-263 tokens:
-32 x 272 tokens instead of 32 x 320).
+32 x 264 tokens instead of 32 x 320).
 
 Prompts longer than the largest bucket, or batches past the size cap, return None: the caller
 encodes them eagerly. With `capture=False` the same static path runs eagerly: that is how the CPU
@@ -57,7 +57,7 @@ LENGTH_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 15
 
 # At or past this many tokens (rows x length) a pass runs without a graph, unpadded but for EAGER_STEP.
 EAGER_TOKENS = 4096
-EAGER_STEP = 16
+EAGER_STEP = 8
 
 # One encoded prompt as the decoder reads it: per layer (keys, values), each [1, heads, n, dim].
 Layers = list[tuple[torch.Tensor, torch.Tensor]]

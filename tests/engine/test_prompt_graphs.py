@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from app.engine.base import ImageInput, Prompt
-from app.engine.prompt_graphs import EncoderGraphs, bucket_of
+from app.engine.prompt_graphs import EAGER_STEP, EncoderGraphs, bucket_of
 from tests.conftest import make_tiny_reader
 
 LENGTHS = (32, 64, 128, 256)  # small buckets: the tiny model's sliding window is 64
@@ -95,7 +95,7 @@ def test_a_large_batch_runs_the_static_path_unbucketed_without_a_graph(tiny_dir,
     prompts = [text_prompt(tokenizer, 8, "u"), text_prompt(tokenizer, 11, "v"), text_prompt(tokenizer, 9, "w")]
     longest = max(len(p.ids) for p in prompts)
     key = runner.encoder_graphs.key(3, longest)
-    assert key == (3, -(-longest // 16) * 16)  # its own rows, its length to a multiple of 16
+    assert key == (3, -(-longest // EAGER_STEP) * EAGER_STEP)  # its own rows, its length to a multiple of 8
     assert key != (4, bucket_of(longest, LENGTHS)) and not runner.encoder_graphs.graphed(key)
     together = runner.encode_many(prompts)
     assert runner.stats["encoder_passes"] == runner.stats["encoder_unbucketed_passes"] == 1
