@@ -73,7 +73,7 @@ class Settings:
     max_sessions: int = field(default=32, metadata=_meta(
         "MAX_SESSIONS", "camera sessions at once; more are refused with close code 1013"))
     max_batch_rows: int = field(default=64, metadata=_meta("MAX_BATCH_ROWS", "canvases per decoder pass"))
-    batch_gather_ms: float = field(default=10.0, metadata=_meta(
+    batch_gather_ms: float = field(default=20.0, metadata=_meta(
         "BATCH_GATHER_MS", "hf: most ms a read batch waits for more reads under load, ending once as many canvases as the "
         "last batch had are queued; 0 = never (docs/reliability.md)"))
     kv_cache_entries: int = field(default=64, metadata=_meta("KV_CACHE_ENTRIES", "encoded prompts kept for reuse"))
