@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import logging
 import os
 from collections import deque
@@ -83,6 +84,20 @@ def settle_heap() -> int:
     cyclic garbage of the start-up stays too: a few objects, once)."""
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def built_count(runner: Any) -> int:
+    """CUDA graphs the runner has captured plus graphs torch.compile has built, so far: both leave
+    long-lived objects behind (hundreds of thousands for a compile), which `settle_heap` should set
+    aside again, or every full pass of the collector walks them (150-200 ms pauses measured on the
+    H200 after the levels of a load compiled new shapes: docs/benchmarks.md)."""
+    total = 0
+    for name in ("graphs", "encoder_graphs", "vision_graphs"):
+        total += int(getattr(getattr(runner, name, None), "captures", 0) or 0)
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    if dynamo is not None:
+        total += int(dynamo.counters["stats"].get("unique_graphs", 0))
+    return total
 
 
 def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
@@ -235,6 +250,7 @@ class HFReader:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._busy = False  # the last read batch served several callers, or more were waiting
         self._last_rows = 0  # canvases in the last read batch: the callers likely to come back under load
+        self._built = built_count(runner)  # graphs captured and compiled when the heap was last settled
         self._image_executor: ThreadPoolExecutor | None = None
         self._images_held = 0  # preprocessed images reserved or riding with queued jobs
 
@@ -446,6 +462,13 @@ class HFReader:
                 rows += job.rows
         return rows
 
+    def _settle_if_built(self) -> None:
+        """After a pass that captured or compiled a new graph, set the heap aside again."""
+        built = built_count(self.runner)
+        if built != self._built:
+            self._built = built
+            log.info("new graphs built: %d objects set aside from the collector's passes", settle_heap())
+
     async def _read_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_ReadJob]) -> None:
         self._busy = len(batch) > 1 or bool(self._queue)
         self._last_rows = sum(job.rows for job in batch)
@@ -455,6 +478,7 @@ class HFReader:
             images.update(self._release(job))
         try:
             results = await loop.run_in_executor(self._executor, self.runner.read, specs, images)
+            self._settle_if_built()
         except asyncio.CancelledError:
             for job in batch:
                 self._fail(job, EngineUnavailable("the engine stopped"))
@@ -485,6 +509,7 @@ class HFReader:
         """One model pass of a generation (its prompt encoding is the first), then back in line."""
         try:
             chunk = await loop.run_in_executor(self._executor, self._generation_pass, job, self._release(job))
+            self._settle_if_built()
         except asyncio.CancelledError:
             self._fail(job, EngineUnavailable("the engine stopped"))
             raise

@@ -261,3 +261,32 @@ def test_under_load_a_batch_gathers_reads_that_arrive_just_after_it_is_formed():
     batches = [tags for kind, tags in runner.log if kind == "read"]
     assert batches[:2] == [[1, 2], [3, 4]]
     assert lone < 0.05 * 2 + 0.04 + 0.03  # two reads, at most one gather
+
+
+def test_the_heap_is_set_aside_again_after_a_pass_builds_new_graphs(monkeypatch):
+    from types import SimpleNamespace
+
+    from app.engine import hf
+
+    runner = FakeRunner(delay=0.0)
+    runner.graphs = SimpleNamespace(captures=0)
+    settled = []
+    monkeypatch.setattr(hf, "settle_heap", lambda: settled.append(1) or 0)
+    reader = make_reader(runner)
+    read = runner.read
+
+    def capturing_read(specs, *rest):
+        if any(s.prompt.ids[0] == 2 for s in specs):
+            runner.graphs.captures += 1  # this pass captured a graph
+        return read(specs, *rest)
+
+    runner.read = capturing_read
+
+    async def scenario():
+        await reader.start()
+        for tag in (1, 2, 3):
+            await reader.read([spec(tag)])
+        await reader.stop()
+
+    run(scenario())
+    assert len(settled) == 1  # after the pass that built, not after the others
