@@ -80,8 +80,8 @@ class Settings:
     cuda_graphs: bool = field(default=True, metadata=_meta(
         "CUDA_GRAPHS", "1 replays decoder passes as CUDA graphs (CUDA only; 0 = eager)"))
     torch_compile: bool = field(default=True, metadata=_meta(
-        "TORCH_COMPILE", "hf: 1 compiles each layer's attention inputs and feed-forward half with torch.compile "
-        "under the CUDA graphs, at start (CUDA only; about 50 s; 0 = eager kernels)"))
+        "TORCH_COMPILE", "hf: 1 compiles each layer's attention inputs and feed-forward half, and the vision "
+        "layers, with torch.compile under the CUDA graphs, at start (CUDA only; about 50 s; 0 = eager kernels)"))
     fused_moe: bool = field(default=True, metadata=_meta(
         "FUSED_MOE", "hf: 1 runs the experts as djev's two Triton kernels (CUDA only, needs Triton; "
         "0 = transformers' grouped_mm)"))

@@ -14,7 +14,8 @@ the layer as a whole: a layer's forward indexes the KV cache by its own layer nu
 torch.compile specialises on, so the 30 layers would compile 30 times over for every shape
 (minutes, measured: docs/benchmarks.md). The two compiled pieces read no layer number, so every
 layer shares one compiled body per piece, layer kind and shape; a dimension seen to change compiles
-once more as dynamic. The embeddings, the masks and the vision tower stay eager.
+once more as dynamic. The vision tower's encoder layers are compiled whole (they read no layer
+number either: one body for all of them). The embeddings and the masks stay eager.
 """
 
 from __future__ import annotations
