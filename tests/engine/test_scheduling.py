@@ -195,45 +195,44 @@ def test_an_unreadable_read_fails_alone_and_a_crash_fails_its_batch():
     run(scenario())
 
 
-def test_the_gather_ends_once_the_last_batchs_callers_are_back():
+def after_a_busy_batch(gather_ms: float, second_round) -> tuple[list, float]:
+    """Reads 1, 2 and 3 as one busy batch, then `second_round(reader)`: the batches read, and the
+    seconds the second round took."""
     runner = FakeRunner(delay=0.05)
     reader = make_reader(runner)
-    reader.options = dataclasses.replace(reader.options, gather_ms=500)
-
-    async def scenario():
-        await reader.start()
-        await asyncio.gather(*(reader.read([spec(tag)]) for tag in (1, 2, 3)))  # a busy batch of three
-        started = time.perf_counter()
-        second = [asyncio.create_task(reader.read([spec(tag)])) for tag in (4, 5)]
-        await asyncio.sleep(0.02)
-        second.append(asyncio.create_task(reader.read([spec(6)])))  # the third caller back, a little late
-        await asyncio.gather(*second)
-        took = time.perf_counter() - started
-        await reader.stop()
-        return took
-
-    took = run(scenario())
-    batches = [tags for kind, tags in runner.log if kind == "read"]
-    assert batches == [[1, 2, 3], [4, 5, 6]]  # the late caller rode the batch...
-    assert took < 0.02 + 0.05 + 0.2  # ...which started when it arrived, not at the 500 ms window's end
-
-
-def test_the_gather_window_bounds_the_wait_for_callers_that_do_not_come_back():
-    runner = FakeRunner(delay=0.05)
-    reader = make_reader(runner)
-    reader.options = dataclasses.replace(reader.options, gather_ms=100)
+    reader.options = dataclasses.replace(reader.options, gather_ms=gather_ms)
 
     async def scenario():
         await reader.start()
         await asyncio.gather(*(reader.read([spec(tag)]) for tag in (1, 2, 3)))
         started = time.perf_counter()
-        await asyncio.gather(reader.read([spec(4)]), reader.read([spec(5)]))  # one caller of three gone
+        await second_round(reader)
         took = time.perf_counter() - started
         await reader.stop()
         return took
 
     took = run(scenario())
-    assert [tags for kind, tags in runner.log if kind == "read"] == [[1, 2, 3], [4, 5]]
+    return [tags for kind, tags in runner.log if kind == "read"], took
+
+
+def test_the_gather_ends_once_the_last_batchs_callers_are_back():
+    async def back(reader):
+        second = [asyncio.create_task(reader.read([spec(tag)])) for tag in (4, 5)]
+        await asyncio.sleep(0.02)
+        second.append(asyncio.create_task(reader.read([spec(6)])))  # the third caller back, a little late
+        await asyncio.gather(*second)
+
+    batches, took = after_a_busy_batch(500, back)
+    assert batches == [[1, 2, 3], [4, 5, 6]]  # the late caller rode the batch...
+    assert took < 0.02 + 0.05 + 0.2  # ...which started when it arrived, not at the 500 ms window's end
+
+
+def test_the_gather_window_bounds_the_wait_for_callers_that_do_not_come_back():
+    async def two_of_three(reader):
+        await asyncio.gather(reader.read([spec(4)]), reader.read([spec(5)]))  # one caller of three gone
+
+    batches, took = after_a_busy_batch(100, two_of_three)
+    assert batches == [[1, 2, 3], [4, 5]]
     assert 0.1 + 0.05 <= took < 0.1 + 0.05 + 0.15  # the whole window, then the batch
 
 
