@@ -12,6 +12,7 @@ no upstream left to try is `EngineUnavailable` (503). A cancelled request closes
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,6 +25,11 @@ from app.engine.base import EngineError, EngineInputError, EngineUnavailable, de
 log = logging.getLogger("djev.engine")
 
 T = TypeVar("T")
+
+# An answer this large (a canvas of many positions, each with many label logprobs: 128 x 128 is
+# ~1.3 MB of JSON, ~20 ms to decode and parse) is decoded and parsed in a worker thread, not on the
+# event loop; a small one costs less than the hop.
+OFFLOAD_ANSWER_BYTES = 64 * 1024
 
 
 @dataclass
@@ -166,9 +172,12 @@ class UpstreamPool:
 
     # ------------------------------------------------------------------ requests
 
-    async def post_json(self, upstream: Upstream, path: str, body: dict) -> Any:
-        """POST a JSON body, return the JSON answer; anything else raises Failed (or EngineInputError
-        for a prompt past the upstream's context: the client's input, not a failure)."""
+    async def post_json(self, upstream: Upstream, path: str, body: dict,
+                        parse: Callable[[Any], T] | None = None) -> Any:
+        """POST a JSON body, return the JSON answer (`parse(answer)` when given); anything else
+        raises Failed (or EngineInputError for a prompt past the upstream's context: the client's
+        input, not a failure). An answer of OFFLOAD_ANSWER_BYTES or more is decoded and parsed in a
+        worker thread."""
         assert self.client is not None
         try:
             response = await self.client.post(upstream.url + path, json=body)
@@ -184,10 +193,18 @@ class UpstreamPool:
         if response.status_code != 200:
             raise Failed(upstream, f"{path} answered {response.status_code}: {error_text(response)}",
                          retry=response.status_code >= 500)
-        try:
-            return response.json()
-        except ValueError:
-            raise Failed(upstream, f"{path} answered with something that is not JSON: {response.text[:80]!r}") from None
+        content = response.content
+
+        def decoded() -> Any:
+            try:
+                answer = json.loads(content)
+            except ValueError:
+                raise Failed(upstream, f"{path} answered with something that is not JSON: {content[:80]!r}") from None
+            return answer if parse is None else parse(answer)
+
+        if len(content) >= OFFLOAD_ANSWER_BYTES:
+            return await asyncio.to_thread(decoded)
+        return decoded()
 
     async def open_stream(self, upstream: Upstream, path: str, body: dict, *,
                           any_status: bool = False) -> tuple[httpx.Response, Upstream]:

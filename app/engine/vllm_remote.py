@@ -136,8 +136,8 @@ class RemoteReader:
 
     async def _completion_read(self, upstream: Upstream, spec: ReadSpec, canvas: tuple[int, ...],
                                ids: tuple[int, ...]) -> CanvasAnswer:
-        answer = await self.pool.post_json(upstream, "/v1/completions", completion_read_body(spec, canvas, ids, None))
-        return self._parsed(upstream, parse_completion_read, answer)
+        return await self.pool.post_json(upstream, "/v1/completions", completion_read_body(spec, canvas, ids, None),
+                                         lambda answer: self._parsed(upstream, parse_completion_read, answer))
 
     async def _chat_read(self, upstream: Upstream, spec: ReadSpec, canvas: tuple[int, ...],
                          ids: tuple[int, ...], chat: dict) -> CanvasAnswer:
@@ -152,20 +152,26 @@ class RemoteReader:
             "return_token_ids": True,
             "vllm_xargs": read_extra_args(spec, canvas),
         }
-        answer = await self.pool.post_json(upstream, "/v1/chat/completions", body)
-        self._check_rendered(upstream, spec.prompt, answer)
-        return self._parsed(upstream, parse_chat_read, answer)
 
-    def _check_rendered(self, upstream: Upstream, prompt: Prompt, answer: Any) -> None:
-        """The prompt vLLM rendered from the messages must be djev's own (images aside)."""
-        rendered = answer.get("prompt_token_ids") if isinstance(answer, dict) else None
-        if not isinstance(rendered, list):
-            return
-        self.counts["chat_prompts_checked"] += 1
-        if collapse_images(rendered, self.image_id, self.boi_id, self.eoi_id) != list(prompt.ids):
+        def parse(answer: Any) -> tuple[bool | None, CanvasAnswer]:  # maybe in a worker thread
+            return self._rendered_as_ours(spec.prompt, answer), self._parsed(upstream, parse_chat_read, answer)
+
+        ours, parsed = await self.pool.post_json(upstream, "/v1/chat/completions", body, parse)
+        if ours is not None:
+            self.counts["chat_prompts_checked"] += 1
+        if ours is False:
             self.counts["chat_prompt_mismatches"] += 1
             log.warning("upstream %s rendered the chat prompt differently from djev's ids (a state with "
                         "special-token text?); the read went on with vLLM's rendering", upstream.url)
+        return parsed
+
+    def _rendered_as_ours(self, prompt: Prompt, answer: Any) -> bool | None:
+        """Whether the prompt vLLM rendered from the messages is djev's own (images aside); None when
+        the answer does not say."""
+        rendered = answer.get("prompt_token_ids") if isinstance(answer, dict) else None
+        if not isinstance(rendered, list):
+            return None
+        return collapse_images(rendered, self.image_id, self.boi_id, self.eoi_id) == list(prompt.ids)
 
     @staticmethod
     def _parsed(upstream: Upstream, parse: Callable[[Any], T], answer: Any) -> T:

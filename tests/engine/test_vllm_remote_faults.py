@@ -155,6 +155,34 @@ def test_255_label_ids_are_split_into_requests_of_at_most_128_and_merged(fakes, 
     assert result.slots[0][0].label_logprobs == tuple(fake_logprob(i, 3) for i in labels)
 
 
+def test_a_large_answer_is_decoded_and_parsed_off_the_event_loop(fakes, tiny_dir, tokenizer, monkeypatch):
+    import threading
+
+    from app.engine import upstreams, vllm_remote
+
+    fake = fakes[0]
+    fake.reset()
+    threads = []
+    parse = vllm_remote.parse_completion_read
+
+    def recording(answer):
+        parsed = parse(answer)
+        threads.append((len(parsed.argmax_ids), threading.current_thread() is threading.main_thread()))
+        return parsed
+
+    monkeypatch.setattr(vllm_remote, "parse_completion_read", recording)
+    prompt = Prompt(tuple(tokenizer.render_chat("Pick.", "state", 0, thinking=False)))
+    labels = tuple(range(200, 328))
+    small = ReadSpec(prompt, ((0,) * 16,), (3,), (labels[:2],), 1, 0)  # 16 positions x 2 logprobs
+    large = ReadSpec(prompt, ((0,) * 128,), (3,), (labels,), 1, 0)  # 128 positions x 128 logprobs
+    reader = load_remote_reader(tiny_dir, options(fake.url))
+    small_result, large_result = asyncio.run(with_reader(reader, lambda: reader.read([small, large])))
+    assert sorted(threads) == [(16, True), (128, False)]  # the small answer on the loop, the large one not
+    assert large_result.slots[0][0].label_logprobs == tuple(fake_logprob(i, 3) for i in labels)
+    assert small_result.slots[0][0].label_logprobs == tuple(fake_logprob(i, 3) for i in labels[:2])
+    assert upstreams.OFFLOAD_ANSWER_BYTES > 2_000  # the small answer is a few kB
+
+
 def test_reads_go_to_the_upstream_with_fewest_outstanding(fakes, tiny_dir, tokenizer):
     for fake in fakes:
         fake.mode("slow")
