@@ -12,6 +12,7 @@ The tokenizer is the checkpoint's own, loaded from --model: templates are built 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections import Counter
@@ -115,8 +116,7 @@ class RemoteReader:
         for spec in specs:
             self._check_prompt(spec.prompt)
         # An image prompt's chat messages are formed (and checked) once, for all its canvases.
-        chats = [self.chat_former.form(spec.prompt).request_fields(spec.prompt.images) if spec.prompt.images else None
-                 for spec in specs]
+        chats = [await self._chat_fields(spec.prompt) if spec.prompt.images else None for spec in specs]
         jobs = []
         for spec, chat in zip(specs, chats):
             groups = label_id_groups(spec, STOCK_LOGPROB_ID_CAP)  # once, for all the spec's canvases
@@ -124,6 +124,12 @@ class RemoteReader:
         results = read_results(specs, await gather_or_cancel(jobs))
         self.counts["reads"] += len(specs)
         return results
+
+    async def _chat_fields(self, prompt: Prompt) -> dict[str, Any]:
+        """An image prompt as chat completion fields, formed in a worker thread: the template is
+        rendered (twice, to check the cut) and every image base64-encoded, work that grows with the
+        prompt and the images."""
+        return await asyncio.to_thread(lambda: self.chat_former.form(prompt).request_fields(prompt.images))
 
     async def _read_canvas(self, spec: ReadSpec, canvas: tuple[int, ...], groups: Sequence[tuple[int, ...]],
                            chat: dict | None) -> CanvasAnswer:
@@ -198,7 +204,7 @@ class RemoteReader:
             body["top_p"] = spec.top_p
         if spec.prompt.images:
             path = "/v1/chat/completions"
-            body.update(self.chat_former.form(spec.prompt).request_fields(spec.prompt.images))
+            body.update(await self._chat_fields(spec.prompt))
         else:
             path = "/v1/completions"
             body["prompt"] = list(spec.prompt.ids)

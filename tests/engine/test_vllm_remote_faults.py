@@ -9,6 +9,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -156,8 +157,6 @@ def test_255_label_ids_are_split_into_requests_of_at_most_128_and_merged(fakes, 
 
 
 def test_a_large_answer_is_decoded_and_parsed_off_the_event_loop(fakes, tiny_dir, tokenizer, monkeypatch):
-    import threading
-
     from app.engine import upstreams, vllm_remote
 
     fake = fakes[0]
@@ -427,7 +426,10 @@ def test_an_image_read_goes_through_the_chat_route_as_djevs_conversation(fakes, 
     base = a_spec(tokenizer, canvases=1, steps=2)
     spec = ReadSpec(prompt, base.canvases, base.slots, base.label_ids, 2, 0)
     reader = load_remote_reader(tiny_dir, options(fake.url))
+    form, threads = reader.chat_former.form, []
+    reader.chat_former.form = lambda p: threads.append(threading.current_thread()) or form(p)
     [result] = asyncio.run(with_reader(reader, lambda: reader.read([spec])))
+    assert threads and threading.main_thread() not in threads  # formed off the event loop
     [body] = fake.state()["bodies"][seen_before:]
     assert body["messages"] == [
         {"role": "system", "content": "Question q1: is it clear?"},
