@@ -531,6 +531,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gather-levels", default="8,32", help="client counts of the gather sweep (default 8,32)")
     parser.add_argument("--compile", action="store_true", help="compile the layer bodies (TORCH_COMPILE=1)")
     parser.add_argument("--fused-moe", action="store_true", help="the experts as djev's Triton kernels (FUSED_MOE=1)")
+    parser.add_argument("--turnaround", action="store_true",
+                        help="only the closed loop at --levels over an engine that answers at once: the decisions' "
+                             "own work per decision (use with --tiny on a CPU)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=None, help="JSON file (default: $OUT/bench_gpu_decisions.json when $OUT is set)")
@@ -550,9 +553,58 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class InstantRunner:
+    """A runner that answers every read at once (each slot's labels at fixed logprobs): a closed loop
+    over it measures only the decisions' own work around the engine (`--turnaround`)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def read(self, specs: Sequence[Any], preprocessed: Any = None) -> list[Any]:
+        from app.engine.base import ReadResult, SlotRead
+
+        return [ReadResult(slots=tuple(tuple(SlotRead(tuple(-1.0 - 0.1 * i for i in range(len(labels))), labels[0])
+                                             for labels in spec.label_ids) for _ in spec.canvases),
+                           prompt_tokens=len(spec.prompt.ids)) for spec in specs]
+
+
+async def turnaround(args: argparse.Namespace) -> dict[str, Any]:
+    """The closed loop at each level over InstantRunner: decisions a second, and the time one
+    decision's own work takes on the event loop (what a read batch waits for between cycles)."""
+    from app.decisions.run import Decider
+
+    reader, settings, _ = build_reader(args)
+    reader.runner = InstantRunner(reader.runner)
+    await reader.start()
+    points = []
+    try:
+        decider = Decider(reader, settings.read_settings)
+        for clients in args.levels:
+            await closed_loop(decider, reader, clients, min(1.0, args.seconds), seed=clients + 1000)
+            point = await closed_loop(decider, reader, clients, args.seconds, seed=clients)
+            point["ms_a_decision"] = 1000 / point["req_per_s"]
+            points.append(point)
+            print(f"  {clients} clients, instant engine: {point['req_per_s']:.0f} decisions/s, "
+                  f"{point['ms_a_decision']:.3f} ms of the decisions' own work each; batches {point['timeline']}",
+                  flush=True)
+    finally:
+        await reader.stop()
+    return {"turnaround": points}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     info = machine()
+    if args.turnaround:
+        print(header("bench_gpu_decisions --turnaround: the decisions' own work, over an engine that answers at once",
+                      info))
+        results = asyncio.run(turnaround(args))
+        if args.out:
+            print(f"results: {write_json(args.out, {'machine': info, **results})}")
+        return
     print(f"building the {'tiny' if args.tiny else 'full-size'} model on {args.device} ...", flush=True)
     results = asyncio.run(measure(args))
     print()
