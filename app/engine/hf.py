@@ -419,7 +419,12 @@ class HFReader:
                 # Under load, closed-loop clients otherwise split into two half-batches that take
                 # turns; a short wait lets the reads being planned right now join this batch. A lone
                 # caller (the last batch served one job) never waits.
-                await self._gather(job)
+                try:
+                    await self._gather(job)
+                except asyncio.CancelledError:  # the engine stops: the job is out of the queue already
+                    self._release(job)
+                    self._fail(job, EngineUnavailable("the engine stopped"))
+                    raise
             batch = [job]
             rows = job.rows
             while self._queue and isinstance(self._queue[0], _ReadJob):

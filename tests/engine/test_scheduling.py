@@ -14,6 +14,7 @@ import pytest
 
 from app.engine.base import (
     EngineError,
+    EngineUnavailable,
     EngineInputError,
     GenerateChunk,
     GenerateSpec,
@@ -289,3 +290,20 @@ def test_the_heap_is_set_aside_again_after_a_pass_builds_new_graphs(monkeypatch)
 
     run(scenario())
     assert len(settled) == 1  # after the pass that built, not after the others
+
+
+def test_a_read_waiting_in_the_gather_window_when_the_engine_stops_is_told_so():
+    runner = FakeRunner(delay=0.02)
+    reader = make_reader(runner)
+    reader.options = dataclasses.replace(reader.options, gather_ms=5000)
+
+    async def scenario():
+        await reader.start()
+        await asyncio.gather(*(reader.read([spec(tag)]) for tag in (1, 2)))  # a busy batch: the next one gathers
+        waiting = asyncio.create_task(reader.read([spec(3)]))
+        await asyncio.sleep(0.05)  # popped from the queue, inside the 5 s window
+        await reader.stop()
+        with pytest.raises(EngineUnavailable):
+            await asyncio.wait_for(waiting, 1.0)  # told at once, not left to its own timeout
+
+    run(scenario())
