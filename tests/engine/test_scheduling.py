@@ -293,17 +293,11 @@ def test_the_heap_is_set_aside_again_after_a_pass_builds_new_graphs(monkeypatch)
 
 
 def test_a_read_waiting_in_the_gather_window_when_the_engine_stops_is_told_so():
-    runner = FakeRunner(delay=0.02)
-    reader = make_reader(runner)
-    reader.options = dataclasses.replace(reader.options, gather_ms=5000)
-
-    async def scenario():
-        await reader.start()
-        await asyncio.gather(*(reader.read([spec(tag)]) for tag in (1, 2)))  # a busy batch: the next one gathers
-        waiting = asyncio.create_task(reader.read([spec(3)]))
+    async def stopped_while_gathering(reader):
+        waiting = asyncio.create_task(reader.read([spec(4)]))
         await asyncio.sleep(0.05)  # popped from the queue, inside the 5 s window
         await reader.stop()
         with pytest.raises(EngineUnavailable):
             await asyncio.wait_for(waiting, 1.0)  # told at once, not left to its own timeout
 
-    run(scenario())
+    after_a_busy_batch(5000, stopped_while_gathering)
