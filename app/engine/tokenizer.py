@@ -70,6 +70,11 @@ class HFChatTokenizer(ChatTokenizer):
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(self._plain.encode(text, add_special_tokens=False).ids) if text else ()
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock that serialises the transformers wrapper, for others that call it too (ChatFormer)."""
+        return self._lock
+
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
             return self._tok.decode(list(ids), skip_special_tokens=False)

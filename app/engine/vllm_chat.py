@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -65,8 +66,12 @@ def data_url(image: ImageInput) -> str:
 class ChatFormer:
     """Cuts djev prompt ids into chat messages with the checkpoint's own tokenizer and template."""
 
-    def __init__(self, raw_tokenizer: Any, image_id: int) -> None:
+    def __init__(self, raw_tokenizer: Any, image_id: int, lock: Any = None) -> None:
         self.raw = raw_tokenizer
+        # The transformers wrapper is not safe to share between threads, and forms are made in worker
+        # threads: its decode and template run under `lock` (the HFChatTokenizer's, when it shares the
+        # wrapper: `HFChatTokenizer.lock`).
+        self.lock = lock if lock is not None else threading.RLock()
         self.image_id = image_id
         self.turn_open = self._single_id("<|turn>")
         self.turn_close = self._single_id("<turn|>")
@@ -82,7 +87,8 @@ class ChatFormer:
         return int(ids[0])
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.raw.decode(list(ids), skip_special_tokens=False)
+        with self.lock:
+            return self.raw.decode(list(ids), skip_special_tokens=False)
 
     def form(self, prompt: Prompt) -> ChatForm:
         ids = list(prompt.ids)
@@ -202,10 +208,11 @@ class ChatFormer:
                 content = [{"type": "image"} if part == IMAGE_PART else {"type": "text", "text": part}
                            for part in content]
             messages.append({"role": message["role"], "content": content})
-        return self.raw.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=not form.continue_final,
-            continue_final_message=form.continue_final, enable_thinking=form.thinking,
-        )
+        with self.lock:
+            return self.raw.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=not form.continue_final,
+                continue_final_message=form.continue_final, enable_thinking=form.thinking,
+            )
 
     @staticmethod
     def _refuse(why: str) -> EngineInputError:

@@ -87,7 +87,7 @@ class RemoteReader:
                                  read_timeout=options.read_timeout, health_interval=options.health_interval)
         self.upstreams = self.pool.upstreams
         self.image_id, self.boi_id, self.eoi_id = image_ids
-        self.chat_former = ChatFormer(raw_tokenizer, self.image_id)
+        self.chat_former = ChatFormer(raw_tokenizer, self.image_id, lock=tokenizer.lock)
         self.counts: Counter[str] = Counter()
 
     @property
@@ -126,9 +126,9 @@ class RemoteReader:
         return results
 
     async def _chat_fields(self, prompt: Prompt) -> dict[str, Any]:
-        """An image prompt as chat completion fields, formed in a worker thread: the template is
-        rendered (twice, to check the cut) and every image base64-encoded, work that grows with the
-        prompt and the images."""
+        """An image prompt as chat completion fields, formed in a worker thread: the prompt decoded,
+        the template filled (rendered anew for a new shape) and every image base64-encoded, work that
+        grows with the prompt and the images."""
         return await asyncio.to_thread(lambda: self.chat_former.form(prompt).request_fields(prompt.images))
 
     async def _read_canvas(self, spec: ReadSpec, canvas: tuple[int, ...], groups: Sequence[tuple[int, ...]],

@@ -416,6 +416,11 @@ def test_over_http_a_failing_upstream_is_a_502_naming_it_and_none_left_a_503(fak
     assert health.status_code == 503 and health.json()["engine"] == "remote"
 
 
+def test_chat_forms_made_in_workers_share_the_tokenizers_lock(tiny_dir):
+    reader = load_remote_reader(tiny_dir, options("http://127.0.0.1:9"))
+    assert reader.chat_former.lock is reader.tokenizer.lock  # one transformers wrapper, one lock
+
+
 def test_an_image_read_goes_through_the_chat_route_as_djevs_conversation(fakes, tiny_dir, tokenizer):
     fake = fakes[0]
     fake.reset()
