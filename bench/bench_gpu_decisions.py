@@ -587,8 +587,8 @@ async def turnaround(args: argparse.Namespace) -> dict[str, Any]:
             point = await closed_loop(decider, reader, clients, args.seconds, seed=clients)
             point["ms_a_decision"] = 1000 / point["req_per_s"]
             points.append(point)
-            print(f"  {clients} clients, instant engine: {point['req_per_s']:.0f} decisions/s, "
-                  f"{point['ms_a_decision']:.3f} ms of the decisions' own work each; batches {point['timeline']}",
+            print(f"  {clients} clients, instant engine: {point['req_per_s']:.0f} req/s (Decider.decide calls), "
+                  f"{point['ms_a_decision']:.3f} ms of the decision's own work each; batches {point['timeline']}",
                   flush=True)
     finally:
         await reader.stop()

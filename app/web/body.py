@@ -3,7 +3,8 @@
 Reading is async and cheap (`read_body`); everything that grows with the body (decompression,
 `json.loads` of up to MAX_BODY_BYTES, multipart parsing) is `parse_payload`, a plain function the
 routes hand to `Services.prepare`: in a worker thread, except for a small plain body, whose work is
-bounded and shorter than the trip (services.INLINE_BODY_BYTES).
+bounded and shorter than the trip (services.INLINE_BODY_BYTES). Raw generation parses as part of
+its own preparation, always in the pool.
 
 Bad input here is always a 4xx that says what was wrong: 413 past the size limit (checked on
 Content-Length before anything is read, and again while reading and decompressing), 415 for a
@@ -232,7 +233,8 @@ async def read_raw(request: Request, limit: int) -> RawBody:
 
 
 def parse_payload(raw: RawBody, limit: int) -> Payload:
-    """The JSON body and any multipart image parts (blocking: `Services.prepare` runs it inline for a small plain body, in the worker pool otherwise)."""
+    """The JSON body and any multipart image parts (blocking: `Services.prepare` runs it inline for a
+    small plain body, in the worker pool otherwise; raw generation's preparation, in the pool)."""
     content_type = raw.content_type
     media = content_type.split(";")[0].strip().lower()
     if media != "multipart/form-data" and not (media in JSON_TYPES or media.endswith("+json")):

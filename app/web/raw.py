@@ -129,7 +129,8 @@ async def raw_chat_completions(request: Request) -> Response:
     with svc.admission.admit(parsed.max_tokens):
         result = await guarded(svc, lambda: svc.reader.generate(spec), request.receive)
     # The decode takes the tokenizer's lock, which a worker rendering a template may hold: off the
-    # loop (one trip, against a generation of many passes).
+    # loop (one trip, against a generation of many passes). A stream's per-chunk decodes stay on the
+    # loop: a trip per chunk would cost more than the short wait they may meet.
     text, cut = cut_at_stop(await svc.offload(svc.reader.tokenizer.decode, result.ids), parsed.stop)
     return json_response(completion(_served_model(svc, parsed), text, result.prompt_tokens, len(result.ids),
                                     "stop" if cut or result.stopped else "length"))

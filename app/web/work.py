@@ -96,7 +96,8 @@ def checked_plan(svc: Services, decision: Decision) -> Plan:
 
 def priced_plan(svc: Services, decision: Decision) -> Plan:
     """The decision's plan; a 400 naming the expensive field when the decision alone costs more than
-    the whole admission budget (blocking: `prepare`'s, or a camera frame's, off the loop). Its images must be checked already."""
+    the whole admission budget (blocking: run through `Services.prepare`, inline for a small body and
+    in the worker pool otherwise, or for a camera frame). Its images must be checked already."""
     plan = svc.plan(decision)
     if plan.cost > svc.admission.max_cost:
         svc.admission.check_fits(plan.cost, expensive_field(svc, decision))
