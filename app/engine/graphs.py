@@ -24,14 +24,13 @@ bucketing, padding and masks against the plain path.
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from app.engine.prompt_graphs import copy_all
+from app.engine.prompt_graphs import copy_all, shared_view
 
 log = logging.getLogger("djev.engine")
 
@@ -240,14 +239,8 @@ class DecoderGraphs:
         return graph
 
     def _view(self, name: str, shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
-        """A static KV buffer [rows, tokens, heads, dim] over storage shared by every graph (graphs
-        never run at once and each replay reloads its KV), sized for `max_token_slots` tokens: the KV
-        memory stays that of one largest batch however many graphs are held."""
-        storage = self._storage.get(name)
-        if storage is None:
-            storage = torch.zeros(self.max_token_slots * shape[2] * shape[3], dtype=dtype, device=self.device)
-            self._storage[name] = storage
-        return storage[: math.prod(shape)].view(shape)
+        """A static KV buffer [rows, tokens, heads, dim] (each replay reloads its KV)."""
+        return shared_view(self._storage, name, shape, dtype, self.device, self.max_token_slots)
 
     @property
     def memory_bytes(self) -> int:

@@ -26,9 +26,10 @@ batch of prompts is encoded by replaying a graph captured for its bucket:
   row's KV is one contiguous block and every row and layer of a batch is copied out in one
   `torch._foreach_copy_` (one launch instead of rows x layers x 2: 1,920 at 32 prompts).
 
-Batches of EAGER_TOKENS tokens or more run the same static path without a graph: their kernels take
-far longer than eager launches do (a 32-prompt pass is ~160 ms of GPU work on an H200), so a graph
-saves nothing there, while a bucket's padding costs every padded token's full compute. Their rows
+Batches whose buckets hold EAGER_TOKENS tokens or more run the same static path without a graph:
+their kernels take far longer than eager launches do (a 32-prompt pass is ~160 ms of GPU work on an
+H200), so a graph saves nothing there, while a bucket's padding costs every padded token's full
+compute. Their rows
 are taken as they are and their length rounded up to EAGER_STEP only (32 tickets of 250-263 tokens:
 32 x 264 tokens instead of 32 x 320).
 
@@ -55,7 +56,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 # are long and batches small. Every bucket is captured only when a batch needs it.
 LENGTH_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096)
 
-# At or past this many tokens (rows x length) a pass runs without a graph, unpadded but for EAGER_STEP.
+# A batch whose buckets hold this many tokens (rows x length) or more runs without a graph, unpadded
+# but for EAGER_STEP.
 EAGER_TOKENS = 4096
 EAGER_STEP = 8
 
@@ -87,6 +89,18 @@ def copy_all(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -
     [heads, tokens, dim] views of token-major buffers are; any other pair is copied on its own."""
     if targets:
         torch._foreach_copy_(list(targets), list(sources))
+
+
+def shared_view(storage: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device, slots: int) -> torch.Tensor:
+    """A static tensor of `shape` ([rows, tokens, ...]) over the flat buffer `storage[name]`, made
+    once for `slots` tokens of shape[2:] each: graphs never run at once, so every graph's static
+    tensors view one set of buffers, the memory of one largest batch however many are held."""
+    buffer = storage.get(name)
+    if buffer is None:
+        buffer = torch.zeros(slots * math.prod(shape[2:]), dtype=dtype, device=device)
+        storage[name] = buffer
+    return buffer[: math.prod(shape)].view(shape)
 
 
 def bucket_of(value: int, buckets: Sequence[int]) -> int | None:
@@ -161,32 +175,25 @@ class EncoderGraphs:
         shared = sum(t.numel() * t.element_size() for t in self._storage.values())
         return shared + sum(graph.memory for graph in self.graphs.values())
 
-    def _view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, per_token: int) -> torch.Tensor:
-        """A static tensor of `shape` over shared storage `name`, which holds `max_token_slots`
-        tokens of `per_token` elements (allocated once, at the largest size any bucket may need)."""
-        storage = self._storage.get(name)
-        if storage is None:
-            storage = torch.zeros(self.max_token_slots * per_token, dtype=dtype, device=self.device)
-            self._storage[name] = storage
-        return storage[: math.prod(shape)].view(shape)
-
     def key(self, rows: int, longest: int) -> tuple[int, int] | None:
-        """(rows, length) of the static pass for a batch: its buckets, or for a batch of `eager_tokens`
-        (EAGER_TOKENS) or more, its own rows and its length rounded up to EAGER_STEP; None past the caps."""
+        """(rows, length) of the static pass for a batch: its buckets, or where the buckets hold
+        `eager_tokens` (EAGER_TOKENS) or more, its own rows and its length rounded up to EAGER_STEP;
+        None past the caps."""
         batch = bucket_of(rows, self.row_buckets)
         length = bucket_of(longest, self.length_buckets)
         if batch is None or length is None:
             return None
-        exact = -(-longest // EAGER_STEP) * EAGER_STEP
-        if rows * exact >= self.eager_tokens:
-            batch, length = rows, exact
+        if batch * length >= self.eager_tokens:
+            batch, length = rows, -(-longest // EAGER_STEP) * EAGER_STEP
         if batch * length > self.max_token_slots:
             return None
         return batch, length
 
     def graphed(self, key: tuple[int, int]) -> bool:
-        """Whether the pass for `key` is replayed from a graph (else it runs eagerly, unbucketed)."""
-        return key[0] * key[1] < self.eager_tokens
+        """Whether the pass for `key` is replayed from a graph: a pair of buckets under
+        `eager_tokens` (an unbucketed key is never one: its buckets would hold more)."""
+        rows, length = key
+        return rows in self.row_buckets and length in self.length_buckets and rows * length < self.eager_tokens
 
     def fits(self, rows: int, longest: int) -> bool:
         return self.disabled is None and self.key(rows, longest) is not None
@@ -260,6 +267,9 @@ class EncoderGraphs:
 
     # ------------------------------------------------------------------ building
 
+    def _view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return shared_view(self._storage, name, shape, dtype, self.device, self.max_token_slots)
+
     def _build(self, key: tuple[int, int]) -> _Graph:
         batch, length = key
         hidden = self.text_model.config.hidden_size
@@ -268,11 +278,11 @@ class EncoderGraphs:
         for index, attention in enumerate(layer.self_attn for layer in self.text_model.layers):
             heads = attention.k_proj.out_features // attention.head_dim
             shape = (batch, length, heads, attention.head_dim)  # token-major; attention sees [rows, heads, tokens, dim]
-            keys.append(self._view(f"k{index}", shape, dtype, heads * attention.head_dim).transpose(1, 2))
-            values.append(self._view(f"v{index}", shape, dtype, heads * attention.head_dim).transpose(1, 2))
+            keys.append(self._view(f"k{index}", shape, dtype).transpose(1, 2))
+            values.append(self._view(f"v{index}", shape, dtype).transpose(1, 2))
         graph = _Graph(
             rows=batch, length=length,
-            embeds=self._view("embeds", (batch, length, hidden), dtype, hidden),
+            embeds=self._view("embeds", (batch, length, hidden), dtype),
             cache=_StaticKV(keys, values),
         )
         before = torch.cuda.memory_allocated(self.device) if self.capture else 0
