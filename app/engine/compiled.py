@@ -3,7 +3,7 @@
 A CUDA graph removes launch overhead but replays every kernel eager PyTorch launched: in one
 DiffusionGemma layer that is about a hundred small elementwise and reduction kernels (ten RMS norms
 of eight kernels each, the rotary embedding, the router's softmax and top-k arithmetic, the
-experts' sort, gathers and weighted sum, the residuals) around the few large ones. Compiling fuses
+experts' weighted sum, the residuals) around the few large ones. Compiling fuses
 them into a few generated kernels; the graphs then capture the compiled kernels as they captured
 the eager ones (the warm-up calls before each capture are where a new shape compiles).
 
@@ -45,8 +45,8 @@ def vision_layers(model: Any) -> list[Any]:
 
 def configure_thread() -> None:
     """torch.compile's limits for the calling thread: torch keeps them per thread, so every thread
-    that runs the model calls this (HFReader's engine thread does, at its start). A part past the
-    recompile limit, or one that fails to compile, runs eagerly instead of failing the read."""
+    that runs the model calls this (HFReader's engine thread does, at its start). A compiled piece past
+    the recompile limit, or one that fails to compile, runs eagerly instead of failing the read."""
     import torch._dynamo
 
     config = torch._dynamo.config

@@ -105,16 +105,6 @@ def align(top_k_index: torch.Tensor, experts: int, block_m: int) -> tuple[torch.
     return pairs, block_experts
 
 
-
-
-def fused_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
-    """The experts' output [tokens, hidden] for `hidden_states` [tokens, hidden], each token's
-    `top_k_index` / `top_k_weights` [tokens, top_k], and the stacked weights gate_up_proj
-    [experts, 2 x inter, hidden] (gate rows first) and down_proj [experts, hidden, inter]."""
-    return weighted_sum(expert_rows(hidden_states, top_k_index, gate_up_proj, down_proj), top_k_weights)
-
-
 def weighted_sum(rows: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """Each token's top-k expert rows ([tokens x top_k, hidden], in the pairs' order) times their
     routing weights, summed in fp32 slot by slot and rounded once to the rows' dtype."""

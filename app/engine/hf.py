@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import sys
 import logging
 import os
+import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,14 +56,14 @@ class HFOptions:
     max_prompt_tokens: int
     kv_cache_entries: int
     max_batch_rows: int
-    gather_ms: float  # how long a read batch waits for more reads before it starts (0 = not at all)
+    gather_ms: float  # the most a read batch waits for more reads before it starts (0 = not at all)
     queue_limit: int
     served_name: str
     canvas_length: int
     tiny: bool
     torch_threads: int  # 0 = torch's default
     cuda_graphs: bool  # replay decoder passes as CUDA graphs (CUDA only)
-    torch_compile: bool = False  # compile the layers' parts, CUDA only (app/engine/compiled.py)
+    torch_compile: bool = False  # compile the split layers and the vision layers, CUDA only (app/engine/compiled.py)
     fused_moe: bool = False  # the experts as Triton kernels, CUDA only (app/engine/fused_moe.py)
 
 
@@ -155,7 +155,7 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
     if compiled:
         from app.engine.compiled import warm_up
 
-        log.info("compiling the model's parts before the first request (TORCH_COMPILE) ...")
+        log.info("compiling the model's layers before the first request (TORCH_COMPILE) ...")
         log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
     log.info("%d objects set aside from the garbage collector's full passes", settle_heap())
     device_label = torch.cuda.get_device_name(device) if on_cuda else "cpu"
@@ -483,7 +483,6 @@ class HFReader:
             images.update(self._release(job))
         try:
             results = await loop.run_in_executor(self._executor, self.runner.read, specs, images)
-            self._settle_if_built()
         except asyncio.CancelledError:
             for job in batch:
                 self._fail(job, EngineUnavailable("the engine stopped"))
@@ -497,6 +496,7 @@ class HFReader:
             for job in batch:
                 self._fail(job, EngineError(f"engine failure: {describe(exc)}"))
             return
+        self._settle_if_built()
         self.runner.stats["batches"] += 1
         offset = 0
         for job in batch:
@@ -514,7 +514,6 @@ class HFReader:
         """One model pass of a generation (its prompt encoding is the first), then back in line."""
         try:
             chunk = await loop.run_in_executor(self._executor, self._generation_pass, job, self._release(job))
-            self._settle_if_built()
         except asyncio.CancelledError:
             self._fail(job, EngineUnavailable("the engine stopped"))
             raise
@@ -525,6 +524,7 @@ class HFReader:
             log.exception("engine failure during generation")
             self._fail(job, EngineError(f"engine failure: {describe(exc)}"))
             return
+        self._settle_if_built()
         if chunk is not None:
             job.chunks.put_nowait(chunk)
             if chunk.done:

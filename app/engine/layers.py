@@ -88,8 +88,8 @@ def attend(layer: Any, queries: torch.Tensor, keys: torch.Tensor, values: torch.
 
 def _packable(attention: Any, queries: torch.Tensor, keys: torch.Tensor, mask: Any) -> bool:
     """Whether `grouped_attention` stands in for the library's SDPA call: SDPA configured, query heads
-    sharing KV heads, several query tokens and a mask shared by the heads (the decoder's; an eager
-    encoder pass over left-padded prompts). Without a mask the library already runs SDPA's own
+    sharing KV heads, several query tokens and a mask shared by the heads (the decoder's; an encoder
+    pass's padding or sliding-window mask). Without a mask the library already runs SDPA's own
     grouped-query kernels."""
     return (attention.config._attn_implementation == "sdpa" and isinstance(mask, torch.Tensor)
             and mask.dim() == 4 and mask.shape[1] == 1 and queries.shape[2] > 1

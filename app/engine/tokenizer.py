@@ -14,8 +14,9 @@ from app.engine.base import ChatTokenizer
 # plain text, so a state that contains "<turn|>" cannot close the turn early.
 
 
-# Texts up to this many characters keep their ids in a per-tokenizer LRU of this many entries (a few
-# MiB at most): a decision's questions, labels and template rows repeat from one request to the next.
+# Texts up to this many characters keep their ids in a per-tokenizer LRU of this many entries (at most
+# ENTRIES x CHARS of text and its ids, typically a few MiB): a decision's questions, labels and template
+# rows repeat from one request to the next.
 ENCODE_CACHE_CHARS = 4096
 ENCODE_CACHE_ENTRIES = 4096
 
