@@ -196,6 +196,7 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
             "decisions_per_s": 3 * requests / elapsed, **latency_summary(latencies),
             "canvases_per_pass": delta.get("decoder_rows", 0) / passes,
             "encoder_passes_per_request": delta.get("encoder_passes", 0) / max(requests, 1),
+            "over_a_prefix_share": delta.get("prefix_hits", 0) / max(delta.get("kv_misses", 0), 1),
             "timeline": {**batch_timeline(batches, elapsed), **pauses.summary()}}
 
 
@@ -288,6 +289,32 @@ async def gather_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> l
     return points
 
 
+async def unshared(decider: Any, reader: Any, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    """The same decisions with every prompt encoded whole (no shared prefix: the prefix LRU off), for
+    the ratio: one new-state decision and the closed loop at `--unshared-levels`."""
+    from app.engine.prompts import PromptCache
+
+    if not args.unshared_levels:
+        return {}
+    runner = reader.runner
+    prefixes = runner.prefixes
+    runner.prefixes = PromptCache(0)
+    try:
+        await timed_decisions(decider, [ticket(rng) for _ in range(2)])
+        result: dict[str, Any] = {"unique": latency_summary(await timed_decisions(
+            decider, [ticket(rng) for _ in range(args.reps)])), "curve": []}
+        print(f"  no shared prefixes: one decision {result['unique']['p50_ms']:.1f} ms new state", flush=True)
+        for clients in args.unshared_levels:
+            await closed_loop(decider, reader, clients, min(2.0, args.seconds), seed=clients + 4000)
+            point = await closed_loop(decider, reader, clients, args.seconds, seed=clients + 5000)
+            result["curve"].append(point)
+            print(f"  no shared prefixes, {clients} clients: {point['req_per_s']:.2f} req/s, p50 {point['p50_ms']:.0f} "
+                  f"ms, p95 {point['p95_ms']:.0f} ms; batches {point['timeline']}", flush=True)
+    finally:
+        runner.prefixes = prefixes
+    return result
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -344,6 +371,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                   f"p95 {point['p95_ms']:.0f} ms; batches {point['timeline']}", flush=True)
 
         results["gather"] = await gather_sweep(decider, reader, args)
+        results["unshared"] = await unshared(decider, reader, args, rng)
 
         pictures = [(ImageInput(data, "image/jpeg", f"frame {i}"),) for i, data in enumerate(frames(args.reps + 2))]
         clear = {"state": WALK_STATE, "samples": 1, "questions": {"ahead": AHEAD}}
@@ -492,6 +520,20 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
                          f"{t.get('rows_min')}-{t.get('rows_max')}"]
                         for p in results["curve"] for t in [p.get("timeline") or {}]]),
     ]
+    if results.get("unshared"):
+        by_clients = {p["clients"]: p for p in results["curve"]}
+        rows = [["one decision, new state (p50 ms)", fmt(results["unshared"]["unique"]["p50_ms"], 1),
+                 fmt(results["unique"]["p50_ms"], 1),
+                 ratio(results["unique"]["p50_ms"], results["unshared"]["unique"]["p50_ms"])]]
+        for p in results["unshared"]["curve"]:
+            shared = by_clients.get(p["clients"])
+            rows.append([f"{p['clients']} clients (req/s; p95 ms)",
+                         f"{fmt(p['req_per_s'], 2)}; {fmt(p['p95_ms'], 0)}",
+                         "-" if shared is None else f"{fmt(shared['req_per_s'], 2)}; {fmt(shared['p95_ms'], 0)}",
+                         "-" if shared is None else f"{shared['req_per_s'] / p['req_per_s']:.2f}x req/s"])
+        lines += ["", "prompts encoded whole vs over their question sheet's shared prefix (the prefix LRU on, the "
+                  "server's default; the tickets share a sheet):", "",
+                  markdown_table(["figure", "every prompt whole", "over the shared prefix", "ratio"], rows)]
     if results.get("gather"):
         lines += ["", markdown_table(["gather ms (BATCH_GATHER_MS)", "clients", "req/s", "p50 ms", "p95 ms",
                                       "canvases per decoder pass"],
@@ -529,6 +571,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eager", action="store_true", help="decoder passes without CUDA graphs (CUDA_GRAPHS=0)")
     parser.add_argument("--gather-ms", default="", help="gather windows to sweep, ms, e.g. 0,2,5,10,20 (default: none)")
     parser.add_argument("--gather-levels", default="8,32", help="client counts of the gather sweep (default 8,32)")
+    parser.add_argument("--unshared-levels", default="",
+                        help="client counts to run again with every prompt encoded whole, no shared prefix "
+                             "(e.g. 32; default: none)")
     parser.add_argument("--compile", action="store_true", help="compile the layer bodies (TORCH_COMPILE=1)")
     parser.add_argument("--fused-moe", action="store_true", help="the experts as djev's Triton kernels (FUSED_MOE=1)")
     parser.add_argument("--turnaround", action="store_true",
@@ -545,6 +590,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.think = [int(t) for t in args.think.split(",") if t.strip()]
     args.gather_ms = [float(t) for t in args.gather_ms.split(",") if t.strip()]
     args.gather_levels = [int(t) for t in args.gather_levels.split(",") if t.strip()]
+    args.unshared_levels = [int(t) for t in args.unshared_levels.split(",") if t.strip()]
     args.grid_prompts = [int(t) for t in args.grid_prompts.split(",") if t.strip()]
     if not args.tiny and not args.device.startswith("cuda"):
         parser.error("the full-size model needs a GPU; use --tiny to check the script on a CPU")

@@ -107,6 +107,8 @@ def warm_up(runner: Any, canvas_length: int) -> float:
         _read_all(runner, [ReadSpec(Prompt(ids, (picture,)), ((0,) * width,), (1,), ((base, base + 1),))])
     runner.prompts.clear()
     runner.vision.clear()
+    runner.prefixes.clear()
+    runner.prefix_index.clear()
     runner.stats.clear()  # the counters (and /metrics) start at the first request
     return time.perf_counter() - started
 

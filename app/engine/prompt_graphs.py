@@ -33,6 +33,14 @@ compute. Their rows
 are taken as they are and their length rounded up to EAGER_STEP only (32 tickets of 250-263 tokens:
 32 x 264 tokens instead of 32 x 320).
 
+A batch may be encoded over a prefix its rows share (the question sheet ahead of each state,
+`PrefixIndex` in app/engine/prompts.py): the prefix's KV, encoded once, is copied into the KV buffers
+ahead of the rows' tokens, right-aligned to its own slot bucket, so that each row's whole prompt
+(prefix and suffix) is one contiguous block to copy out, and only the suffixes go through the
+layers. Positions then start at the prefix's length and attention takes one mask, the same for every
+row, built on the device from that length: every prefix token, and the suffix causally. Only where
+prefix and suffix together fit the sliding window (no window to mask), and never past the size cap.
+
 Prompts longer than the largest bucket, or batches past the size cap, return None: the caller
 encodes them eagerly. With `capture=False` the same static path runs eagerly: that is how the CPU
 tests check it against the eager encoder.
@@ -103,6 +111,10 @@ def shared_view(storage: dict[str, torch.Tensor], name: str, shape: tuple[int, .
     return buffer[: math.prod(shape)].view(shape)
 
 
+def _round_up(value: int) -> int:
+    return -(-value // EAGER_STEP) * EAGER_STEP
+
+
 def bucket_of(value: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket that holds `value`, or None past the largest."""
     return next((bucket for bucket in buckets if bucket >= value), None)
@@ -112,17 +124,28 @@ class _StaticKV:
     """What the encoder's attention layers write through: each layer's keys and values are copied
     into static buffers (views of storage shared by every graph: graphs never run at once, and a
     batch's KV is copied out, `copy_rows`, right after its replay). Only `update` is called, since positions and
-    masks are passed in."""
+    masks are passed in. With `prefix_slots`, the buffers' first slots hold a shared prefix's KV:
+    the pass's own KV is written after them, and attention reads the whole buffer."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], prefix_slots: int = 0) -> None:
         self.keys = keys
         self.values = values
+        self.prefix_slots = prefix_slots
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys[layer_idx].copy_(key_states)
-        self.values[layer_idx].copy_(value_states)
-        return key_states, value_states
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if not self.prefix_slots:
+            keys.copy_(key_states)
+            values.copy_(value_states)
+            return key_states, value_states
+        keys[:, :, self.prefix_slots:].copy_(key_states)
+        values[:, :, self.prefix_slots:].copy_(value_states)
+        return keys, values
+
+
+# A static pass's shape: (rows, suffix length, prefix slots); prefix slots are 0 without a prefix.
+Key = tuple[int, int, int]
 
 
 @dataclass
@@ -131,6 +154,7 @@ class _Graph:
     length: int
     embeds: torch.Tensor  # [rows, length, hidden] input embeddings, right-padded
     cache: _StaticKV
+    prefix_length: torch.Tensor  # [1] on the device: the real prefix tokens, right-aligned in its slots
     graph: Any = None
     memory: int = 0
 
@@ -161,7 +185,7 @@ class EncoderGraphs:
         self.eager_tokens = eager_tokens
         self.row_buckets = tuple(row_buckets)
         self.length_buckets = tuple(length_buckets)
-        self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self.graphs: OrderedDict[Key, _Graph] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.disabled: str | None = None
         self.captures = 0
@@ -175,47 +199,55 @@ class EncoderGraphs:
         shared = sum(t.numel() * t.element_size() for t in self._storage.values())
         return shared + sum(graph.memory for graph in self.graphs.values())
 
-    def key(self, rows: int, longest: int) -> tuple[int, int] | None:
-        """(rows, length) of the static pass for a batch: its buckets, or where the buckets hold
-        `eager_tokens` (EAGER_TOKENS) or more, its own rows and its length rounded up to EAGER_STEP;
-        None past the caps."""
+    def key(self, rows: int, longest: int, prefix: int = 0) -> Key | None:
+        """(rows, length, prefix slots) of the static pass for a batch of `rows` suffixes of at most
+        `longest` tokens over a shared prefix of `prefix` tokens (0: none): its buckets (the prefix's
+        slots a length bucket too), or where the buckets hold `eager_tokens` (EAGER_TOKENS) or more,
+        its own rows and its lengths rounded up to EAGER_STEP; None past the caps, and for a prefix
+        whose pass would not fit the sliding window."""
         batch = bucket_of(rows, self.row_buckets)
         length = bucket_of(longest, self.length_buckets)
-        if batch is None or length is None:
+        slots = bucket_of(prefix, self.length_buckets) if prefix else 0
+        if batch is None or length is None or slots is None:
             return None
         if batch * length >= self.eager_tokens:
-            batch, length = rows, -(-longest // EAGER_STEP) * EAGER_STEP
-        if batch * length > self.max_token_slots:
+            batch, length, slots = rows, _round_up(longest), _round_up(prefix)
+        if batch * (slots + length) > self.max_token_slots or (slots and slots + length > self.sliding_window):
             return None
-        return batch, length
+        return batch, length, slots
 
-    def graphed(self, key: tuple[int, int]) -> bool:
-        """Whether the pass for `key` is replayed from a graph: a pair of buckets under
-        `eager_tokens` (an unbucketed key is never one: its buckets would hold more)."""
-        rows, length = key
-        return rows in self.row_buckets and length in self.length_buckets and rows * length < self.eager_tokens
+    def graphed(self, key: Key) -> bool:
+        """Whether the pass for `key` is replayed from a graph: buckets under `eager_tokens` (an
+        unbucketed key is never one: its buckets would hold more)."""
+        rows, length, slots = key
+        return (rows in self.row_buckets and length in self.length_buckets and rows * length < self.eager_tokens
+                and (not slots or slots in self.length_buckets))
 
-    def fits(self, rows: int, longest: int) -> bool:
-        return self.disabled is None and self.key(rows, longest) is not None
+    def fits(self, rows: int, longest: int, prefix: int = 0) -> bool:
+        return self.disabled is None and self.key(rows, longest, prefix) is not None
 
     # ------------------------------------------------------------------ encoding
 
-    def encode_ids(self, rows: Sequence[Sequence[int]], pad_id: int) -> list[Layers] | None:
-        """Each row's KV, or None to go eager (no bucket, or graphs disabled)."""
-        key = self._key_or_none(len(rows), max(len(ids) for ids in rows))
+    def encode_ids(self, rows: Sequence[Sequence[int]], pad_id: int,
+                   prefix: tuple[Layers, int] | None = None) -> list[Layers] | None:
+        """Each row's KV, or None to go eager (no bucket, or graphs disabled). With `prefix` (its
+        layers and length), the rows are suffixes of that prefix, and each row's KV is the whole
+        prompt's."""
+        key = self._key_or_none(len(rows), max(len(ids) for ids in rows), prefix[1] if prefix else 0)
         if key is None:
             return None
-        _, length = key
+        length = key[1]
         padded = torch.full((len(rows), length), pad_id, dtype=torch.long)
         for row, ids in enumerate(rows):
             if ids:
                 padded[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
         embeds = self.encoder.get_input_embeddings()(padded.to(self.device))
-        return self._run(key, [len(ids) for ids in rows], lambda graph: graph.embeds[: len(rows)].copy_(embeds))
+        return self._run(key, [len(ids) for ids in rows], lambda graph: graph.embeds[: len(rows)].copy_(embeds),
+                         prefix)
 
     def encode_embeds(self, rows: Sequence[torch.Tensor]) -> list[Layers] | None:
         """The same from input embeddings ([n, hidden] each, e.g. with image features scattered in)."""
-        key = self._key_or_none(len(rows), max(int(embeds.shape[0]) for embeds in rows))
+        key = self._key_or_none(len(rows), max(int(embeds.shape[0]) for embeds in rows), 0)
         if key is None:
             return None
         def load(graph: _Graph) -> None:
@@ -224,12 +256,13 @@ class EncoderGraphs:
 
         return self._run(key, [int(embeds.shape[0]) for embeds in rows], load)
 
-    def _key_or_none(self, rows: int, longest: int) -> tuple[int, int] | None:
+    def _key_or_none(self, rows: int, longest: int, prefix: int) -> Key | None:
         if self.disabled is not None or rows == 0 or longest == 0:
             return None
-        return self.key(rows, longest)
+        return self.key(rows, longest, prefix)
 
-    def _run(self, key: tuple[int, int], lengths: list[int], load: Any) -> list[Layers] | None:
+    def _run(self, key: Key, lengths: list[int], load: Any,
+             prefix: tuple[Layers, int] | None = None) -> list[Layers] | None:
         try:
             self.last_graphed = self.graphed(key)
             graph = self.graphs.get(key)
@@ -240,28 +273,45 @@ class EncoderGraphs:
             else:
                 self.graphs.move_to_end(key)
             load(graph)
+            prefix_length = self._load_prefix(graph, prefix) if prefix else 0
             if graph.graph is not None:
                 graph.graph.replay()
             else:
                 self._forward(graph)
-            return self._rows_layers(graph, lengths)
+            return self._rows_layers(graph, lengths, prefix_length)
         except Exception as exc:  # noqa: BLE001 - a capture that fails must not fail reads: go eager
             self.disabled = f"{type(exc).__name__}: {exc}"
             self.graphs.clear()
             log.warning("encoder CUDA graphs disabled, prompts are encoded eagerly: %s", self.disabled)
             return None
 
-    def _rows_layers(self, graph: _Graph, lengths: list[int]) -> list[Layers]:
-        """Each row's real tokens out of the graph's buffers (copies: the next replay overwrites them),
-        each sliding layer cropped to the last window - 1 tokens as DynamicCache keeps them; all in
-        one `copy_rows`."""
+    def _load_prefix(self, graph: _Graph, prefix: tuple[Layers, int]) -> int:
+        """The shared prefix's KV into every row's first slots, right-aligned, and its length into
+        the graph's static input; returns the length."""
+        layers, length = prefix
+        slots = graph.cache.prefix_slots
+        targets, sources = [], []
+        for index, (keys, values) in enumerate(layers):
+            for buffer, source in ((graph.cache.keys[index], keys), (graph.cache.values[index], values)):
+                targets.append(buffer[:, :, slots - length:slots])
+                sources.append(source.expand(graph.rows, -1, -1, -1))
+        copy_all(targets, sources)
+        graph.prefix_length.fill_(length)
+        return length
+
+    def _rows_layers(self, graph: _Graph, lengths: list[int], prefix_length: int = 0) -> list[Layers]:
+        """Each row's real tokens, its prefix's included, out of the graph's buffers (copies: the next
+        replay overwrites them), each sliding layer cropped to the last window - 1 tokens as
+        DynamicCache keeps them; all in one `copy_rows`."""
+        slots = graph.cache.prefix_slots
         rows = []
         for row, n in enumerate(lengths):
+            end, total = slots + n, prefix_length + n
             layers: Layers = []
             for index, layer_type in enumerate(self.layer_types):
-                keep = min(n, self.sliding_window - 1) if layer_type == "sliding_attention" else n
+                keep = min(total, self.sliding_window - 1) if layer_type == "sliding_attention" else total
                 keys, values = graph.cache.keys[index], graph.cache.values[index]
-                layers.append((keys[row:row + 1, :, n - keep:n], values[row:row + 1, :, n - keep:n]))
+                layers.append((keys[row:row + 1, :, end - keep:end], values[row:row + 1, :, end - keep:end]))
             rows.append(layers)
         return copy_rows(rows)
 
@@ -270,20 +320,21 @@ class EncoderGraphs:
     def _view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return shared_view(self._storage, name, shape, dtype, self.device, self.max_token_slots)
 
-    def _build(self, key: tuple[int, int]) -> _Graph:
-        batch, length = key
+    def _build(self, key: Key) -> _Graph:
+        batch, length, slots = key
         hidden = self.text_model.config.hidden_size
         dtype = self.text_model.embed_tokens.weight.dtype
         keys, values = [], []
         for index, attention in enumerate(layer.self_attn for layer in self.text_model.layers):
             heads = attention.k_proj.out_features // attention.head_dim
-            shape = (batch, length, heads, attention.head_dim)  # token-major; attention sees [rows, heads, tokens, dim]
+            shape = (batch, slots + length, heads, attention.head_dim)  # token-major; attention sees [rows, heads, tokens, dim]
             keys.append(self._view(f"k{index}", shape, dtype).transpose(1, 2))
             values.append(self._view(f"v{index}", shape, dtype).transpose(1, 2))
         graph = _Graph(
             rows=batch, length=length,
             embeds=self._view("embeds", (batch, length, hidden), dtype),
-            cache=_StaticKV(keys, values),
+            cache=_StaticKV(keys, values, slots),
+            prefix_length=self._view("prefix_length", (1, 1), torch.long).view(1),
         )
         before = torch.cuda.memory_allocated(self.device) if self.capture else 0
         if self.capture and self.graphed(key):
@@ -299,24 +350,33 @@ class EncoderGraphs:
             graph.graph = cuda_graph
             graph.memory = torch.cuda.memory_allocated(self.device) - before
             self.captures += 1
-            log.info("captured the encoder pass for %d rows x %d tokens (%.0f MiB)", batch, length,
-                     graph.memory / 2**20)
+            log.info("captured the encoder pass for %d rows x %d tokens after %d prefix slots (%.0f MiB)", batch,
+                     length, slots, graph.memory / 2**20)
         return graph
 
-    def _hold(self, key: tuple[int, int], graph: _Graph) -> None:
+    def _hold(self, key: Key, graph: _Graph) -> None:
         self.graphs[key] = graph
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
 
     def _forward(self, graph: _Graph) -> None:
         """The encoder pass over the static inputs: causal attention without a mask (None makes SDPA
-        run its causal kernels), the sliding window's mask only where the bucket is longer than it."""
+        run its causal kernels), the sliding window's mask only where the bucket is longer than it.
+        Over a prefix, positions start at its length and one mask serves every layer: the prefix's
+        tokens and the suffix causally (`key` only builds such a pass inside the window)."""
         length = graph.length
         index = torch.arange(length, device=self.device)
         masks: dict[str, torch.Tensor | None] = {"full_attention": None, "sliding_attention": None}
-        if length > self.sliding_window:
+        positions = index.view(1, -1).expand(graph.rows, -1)
+        slots = graph.cache.prefix_slots
+        if slots:
+            keys = torch.arange(slots + length, device=self.device).view(1, -1)
+            visible = (keys >= slots - graph.prefix_length) & (keys <= slots + index.view(-1, 1))
+            mask = visible.view(1, 1, length, slots + length)
+            masks = {"full_attention": mask, "sliding_attention": mask}
+            positions = positions + graph.prefix_length
+        elif length > self.sliding_window:
             query, key = index.view(-1, 1), index.view(1, -1)
             masks["sliding_attention"] = ((key <= query) & (query - key < self.sliding_window)).view(1, 1, length, length)
-        positions = index.view(1, -1).expand(graph.rows, -1)
         self.text_model(inputs_embeds=graph.embeds, attention_mask=masks, position_ids=positions,
                         past_key_values=graph.cache)

@@ -3,7 +3,11 @@ encoded prompts, image expansion and features, and batched encoder passes, repla
 (app/engine/prompt_graphs.py) where a bucket fits and eager otherwise.
 
 Prompts missing from the LRU share encoder passes: sorted by length, at most `max_rows` a pass and
-`max_prompt_tokens` padded tokens, and, with encoder graphs, never across the bucket they fit. Image
+`max_prompt_tokens` padded tokens, and, with encoder graphs, never across the bucket they fit. With
+encoder graphs, a text prompt that begins like an earlier one (the same question sheet ahead of a new
+state: the prompt puts the per-request text last for this) is encoded over their shared prefix: the
+prefix's KV is taken from the earlier prompt's (or encoded once) and kept in its own small LRU, and
+only the rest of the prompt goes through the layers (`PrefixIndex` finds the prefixes). Image
 prompts' images go through the vision tower together (features cached by the images' digests, so a
 frame restated in a later stage skips decoding and the tower), then share passes like text.
 
@@ -93,6 +97,76 @@ class PromptCache:
         return key in self._items
 
 
+# Shared prefixes are found at multiples of PREFIX_BLOCK tokens and used from PREFIX_MIN tokens on (a
+# shorter one saves less than its mask costs); PREFIX_SEEN block hashes are remembered.
+PREFIX_BLOCK = 16
+PREFIX_MIN = 64
+PREFIX_SEEN = 8192
+
+
+class PrefixIndex:
+    """Which earlier prompt began with the same tokens as a new one. Every prompt's prefixes at
+    multiples of `block` tokens (each leaving at least one token after it) are remembered by a
+    chained hash, the hash of the previous block's hash and the block's ids, so finding the longest
+    one takes one hash and one lookup per block. A hash names the last prompt that had it (by its
+    cache key); the caller checks the ids before it trusts one. Pure: no tensors, no model."""
+
+    def __init__(self, block: int = PREFIX_BLOCK, minimum: int = PREFIX_MIN, entries: int = PREFIX_SEEN) -> None:
+        self.block = block
+        self.minimum = minimum
+        self.entries = entries
+        self._seen: OrderedDict[int, tuple] = OrderedDict()
+
+    def hashes(self, ids: Sequence[int]) -> list[int]:
+        """The chained hashes of ids[:block], ids[:2 * block], ..., each shorter than `ids`."""
+        chained: list[int] = []
+        value = 0
+        for end in range(self.block, len(ids), self.block):
+            value = hash((value, tuple(ids[end - self.block:end])))
+            chained.append(value)
+        return chained
+
+    def longest(self, hashes: Sequence[int], found: Any) -> tuple[int, Any] | None:
+        """(tokens, what `found` returned) for the longest prefix of at least `minimum` tokens for
+        which found(hash) returns something; None for none."""
+        for blocks in range(len(hashes), 0, -1):
+            if blocks * self.block < self.minimum:
+                break
+            hit = found(hashes[blocks - 1])
+            if hit is not None:
+                return blocks * self.block, hit
+        return None
+
+    def seen(self, hashes: Sequence[int], key: tuple) -> tuple[int, tuple] | None:
+        """(tokens, cache key) of the longest prefix another prompt (not `key`) began with."""
+        def other(value: int) -> tuple | None:
+            found = self._seen.get(value)
+            return None if found == key else found
+
+        return self.longest(hashes, other)
+
+    def record(self, hashes: Sequence[int], key: tuple) -> None:
+        for value in hashes:
+            self._seen[value] = key
+            self._seen.move_to_end(value)
+        while len(self._seen) > self.entries:
+            self._seen.popitem(last=False)
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+
+@dataclass
+class _PrefixGroup:
+    """Prompts to encode over one shared prefix: its ids, where its KV comes from, and the items."""
+
+    value: int  # the chained hash of its ids: its key in the prefix LRU
+    ids: tuple[int, ...]
+    source: tuple | None  # the cache key of a prompt that begins with it (its KV sliced), or None
+    items: list
+    encoded: EncodedPrompt | None = None
+
+
 class PromptEncodingMixin:
     """Prompt encoding for DiffusionRunner (which provides the model, config, caches and stats)."""
 
@@ -106,6 +180,8 @@ class PromptEncodingMixin:
     max_rows: int
     prompts: "PromptCache"
     vision: "PromptCache"
+    prefixes: "PromptCache"  # shared prefixes' (ids, EncodedPrompt), by their chained hash
+    prefix_index: PrefixIndex
     encoder_graphs: Any
     vision_graphs: Any
     stats: Any
@@ -260,9 +336,11 @@ class PromptEncodingMixin:
                 pending[key] = [index]
         text = [(key, indices) for key, indices in pending.items() if not prompts[indices[0]].images]
         images = [(key, indices) for key, indices in pending.items() if prompts[indices[0]].images]
-        for batch in self._prompt_batches(text, [len(prompts[indices[0]].ids) for _, indices in text]):
-            rows = [list(prompts[indices[0]].ids) for _, indices in batch]
+        text, groups = self._by_prefix(text)
+        for batch in self._prompt_batches(text, [len(key[0]) for key, _ in text]):
+            rows = [list(key[0]) for key, _ in batch]
             self._store(batch, self._encode_ids(rows), [len(ids) for ids in rows], results)
+        self._encode_over_prefixes(groups, results)
         embedded: list[tuple[tuple, list[int]]] = []
         expanded: list[dict[str, torch.Tensor]] = []
         for key, indices in images:
@@ -281,10 +359,10 @@ class PromptEncodingMixin:
                         results)
         return results  # type: ignore[return-value]
 
-    def _prompt_batches(self, items: list, lengths: list[int]) -> list[list]:
+    def _prompt_batches(self, items: list, lengths: list[int], prefix: int = 0) -> list[list]:
         """`items` grouped into encoder passes, shortest first: a pass holds at most `max_rows` rows and
         `max_prompt_tokens` padded tokens, and, with encoder graphs, stays inside one graph bucket
-        whenever the prompts alone fit one."""
+        whenever the prompts alone fit one (`lengths` after a shared `prefix` of that many tokens)."""
         graphs = self.encoder_graphs
         batches: list[list] = []
         batch: list = []
@@ -292,8 +370,8 @@ class PromptEncodingMixin:
         for item, length in sorted(zip(items, lengths), key=lambda pair: pair[1]):
             grown = max(longest, length)
             full = len(batch) >= self.max_rows or grown * (len(batch) + 1) > self.max_prompt_tokens
-            if graphs is not None and batch and graphs.fits(len(batch), longest):
-                full = full or not graphs.fits(len(batch) + 1, grown)
+            if graphs is not None and batch and graphs.fits(len(batch), longest, prefix):
+                full = full or not graphs.fits(len(batch) + 1, grown, prefix)
             if batch and full:
                 batches.append(batch)
                 batch, grown = [], length
@@ -302,6 +380,89 @@ class PromptEncodingMixin:
         if batch:
             batches.append(batch)
         return batches
+
+    # ------------------------------------------------------------------ shared prefixes
+
+    def _by_prefix(self, text: list[tuple[tuple, list[int]]]) -> tuple[list, list[_PrefixGroup]]:
+        """The text prompts to encode split into those encoded whole and groups over a shared prefix:
+        the longest in the prefix LRU, or the longest another prompt began with (PREFIX_MIN tokens or
+        more) where there is none or it is longer by PREFIX_MIN tokens or more (so the prompts of a
+        sheet share one prefix, not one for each pair of states that begin alike). Only with encoder graphs (the static path runs the pass over a prefix), and only where
+        a pass over the prefix fits them. Every prompt's prefixes are recorded for later ones."""
+        graphs = self.encoder_graphs
+        if graphs is None or graphs.disabled is not None or self.prefixes.entries <= 0:
+            return text, []
+        whole: list = []
+        groups: dict[int, _PrefixGroup] = {}
+        for item in text:
+            key = item[0]
+            ids = key[0]
+            hashes = self.prefix_index.hashes(ids)
+            cached = self.prefix_index.longest(hashes, lambda value: self._cached_prefix(value, ids))
+            seen = self.prefix_index.seen(hashes, key)
+            self.prefix_index.record(hashes, key)
+            if seen is not None and cached is not None and seen[0] - cached[0] < self.prefix_index.minimum:
+                seen = None  # a new, longer prefix only where it saves as much again: one group a sheet
+            chosen = seen or cached
+            if chosen is None or not graphs.fits(1, len(ids) - chosen[0], chosen[0]):
+                whole.append(item)
+                continue
+            length, found = chosen
+            value = hashes[length // self.prefix_index.block - 1]
+            group = groups.get(value)
+            if group is None:
+                group = groups[value] = _PrefixGroup(value, ids[:length], found if seen else None, [],
+                                                     None if seen else found)
+            group.items.append(item)
+        return whole, list(groups.values())
+
+    def _cached_prefix(self, value: int, ids: tuple[int, ...]) -> EncodedPrompt | None:
+        entry = self.prefixes.get(value)
+        if entry is None or ids[: len(entry[0])] != entry[0]:
+            return None
+        return entry[1]
+
+    def _encode_over_prefixes(self, groups: list[_PrefixGroup], results: list) -> None:
+        """Each group's prefix KV (cached, sliced from the prompt that began with it, or encoded),
+        then its prompts' suffixes in passes over it; a batch the static path turns down is encoded
+        whole."""
+        for group in groups:
+            if group.encoded is None:
+                group.encoded = self._prefix_kv(group)
+                self.prefixes.put(group.value, (group.ids, group.encoded))
+            length = len(group.ids)
+            items = group.items
+            for batch in self._prompt_batches(items, [len(key[0]) - length for key, _ in items], length):
+                rows = [list(key[0][length:]) for key, _ in batch]
+                layers = self._encode_suffixes(rows, group.encoded)
+                if layers is None:
+                    whole = [list(key[0]) for key, _ in batch]
+                    self._store(batch, self._encode_ids(whole), [len(ids) for ids in whole], results)
+                    continue
+                self.stats["prefix_hits"] += len(batch)
+                self._store(batch, layers, [length + len(row) for row in rows], results)
+
+    def _prefix_kv(self, group: _PrefixGroup) -> EncodedPrompt:
+        """A new shared prefix's KV: the first tokens of the prompt that began with it where that
+        prompt's KV is in the LRU whole (no sliding layer cropped), else one pass of its own."""
+        length = len(group.ids)
+        source = self.prompts.get(group.source) if group.source is not None else None
+        if source is not None and source.length < int(self.text_config.sliding_window):
+            self.stats["prefixes_sliced"] += 1
+            layers = [(keys[:, :, :length], values[:, :, :length]) for keys, values in source.layers]
+            return EncodedPrompt(copy_rows([layers])[0], length)
+        self.stats["prefixes_encoded"] += 1
+        return EncodedPrompt(self._encode_ids([list(group.ids)])[0], length)
+
+    def _encode_suffixes(self, rows: list[list[int]], prefix: EncodedPrompt) -> list | None:
+        """Each row's whole KV from one static pass over its suffix after `prefix`; None where the
+        static path turns the batch down."""
+        replayed = self.encoder_graphs.encode_ids(rows, self._pad_id(), prefix=(prefix.layers, prefix.length))
+        if replayed is None:
+            return None
+        self.stats["encoder_passes"] += 1
+        self._count_static_pass()
+        return replayed
 
     def _store(self, batch: list[tuple[tuple, list[int]]], layers: list, lengths: list[int], results: list) -> None:
         self.stats["kv_misses"] += len(batch)

@@ -95,8 +95,8 @@ def test_a_large_batch_runs_the_static_path_unbucketed_without_a_graph(tiny_dir,
     prompts = [text_prompt(tokenizer, 8, "u"), text_prompt(tokenizer, 11, "v"), text_prompt(tokenizer, 9, "w")]
     longest = max(len(p.ids) for p in prompts)
     key = runner.encoder_graphs.key(3, longest)
-    assert key == (3, -(-longest // EAGER_STEP) * EAGER_STEP)  # its own rows, its length to a multiple of 8
-    assert key != (4, bucket_of(longest, LENGTHS)) and not runner.encoder_graphs.graphed(key)
+    assert key == (3, -(-longest // EAGER_STEP) * EAGER_STEP, 0)  # its own rows, its length to a multiple of 8
+    assert key != (4, bucket_of(longest, LENGTHS), 0) and not runner.encoder_graphs.graphed(key)
     together = runner.encode_many(prompts)
     assert runner.stats["encoder_passes"] == runner.stats["encoder_unbucketed_passes"] == 1
     assert "encoder_graph_replays" not in runner.stats and not runner.encoder_graphs.graphs  # nothing held
@@ -104,7 +104,7 @@ def test_a_large_batch_runs_the_static_path_unbucketed_without_a_graph(tiny_dir,
         assert_same_kv(eager.encode_many([prompt])[0], encoded)
     short = len(text_prompt(tokenizer, 2, "x").ids)  # under the threshold: the buckets, a graph
     small = runner.encoder_graphs.key(1, short)
-    assert small == (1, bucket_of(short, LENGTHS)) and runner.encoder_graphs.graphed(small)
+    assert small == (1, bucket_of(short, LENGTHS), 0) and runner.encoder_graphs.graphed(small)
 
 
 def jpeg(colour: tuple[int, int, int]) -> bytes:
