@@ -289,6 +289,31 @@ async def gather_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> l
     return points
 
 
+async def eager_tokens_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Where the encoder's large passes stop being graphed (EAGER_TOKENS in app/engine/prompt_graphs.py)
+    chosen by measurement: the closed loop at `--eager-levels` clients for each threshold of
+    `--eager-tokens`; the runner's own threshold is restored."""
+    points: list[dict[str, Any]] = []
+    graphs = reader.runner.encoder_graphs
+    if graphs is None or not args.eager_tokens:
+        return points
+    configured = graphs.eager_tokens
+    try:
+        for threshold in args.eager_tokens:
+            graphs.eager_tokens = threshold
+            for clients in args.eager_levels:
+                await closed_loop(decider, reader, clients, min(2.0, args.seconds), seed=clients + 6000)
+                point = {"eager_tokens": threshold, **await closed_loop(decider, reader, clients, args.seconds,
+                                                                         seed=clients + 7000)}
+                points.append(point)
+                print(f"  encoder graphs below {threshold} tokens, {clients} clients: {point['req_per_s']:.2f} req/s, "
+                      f"p50 {point['p50_ms']:.0f} ms, p95 {point['p95_ms']:.0f} ms; batches {point['timeline']}",
+                      flush=True)
+    finally:
+        graphs.eager_tokens = configured
+    return points
+
+
 async def unshared(decider: Any, reader: Any, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     """The same decisions with every prompt encoded whole (no shared prefix: the prefix LRU off), for
     the ratio: one new-state decision and the closed loop at `--unshared-levels`."""
@@ -372,6 +397,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         results["gather"] = await gather_sweep(decider, reader, args)
         results["unshared"] = await unshared(decider, reader, args, rng)
+        results["eager_tokens"] = await eager_tokens_sweep(decider, reader, args)
 
         pictures = [(ImageInput(data, "image/jpeg", f"frame {i}"),) for i, data in enumerate(frames(args.reps + 2))]
         clear = {"state": WALK_STATE, "samples": 1, "questions": {"ahead": AHEAD}}
@@ -534,6 +560,12 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
         lines += ["", "prompts encoded whole vs over their question sheet's shared prefix (the prefix LRU on, the "
                   "server's default; the tickets share a sheet):", "",
                   markdown_table(["figure", "every prompt whole", "over the shared prefix", "ratio"], rows)]
+    if results.get("eager_tokens"):
+        lines += ["", markdown_table(["encoder graphs below (tokens)", "clients", "req/s", "p50 ms", "p95 ms",
+                                      "batch ms", "gap ms"],
+                                     [[p["eager_tokens"], p["clients"], fmt(p["req_per_s"], 2), fmt(p["p50_ms"], 0),
+                                       fmt(p["p95_ms"], 0), t.get("batch_ms"), t.get("gap_ms")]
+                                      for p in results["eager_tokens"] for t in [p.get("timeline") or {}]])]
     if results.get("gather"):
         lines += ["", markdown_table(["gather ms (BATCH_GATHER_MS)", "clients", "req/s", "p50 ms", "p95 ms",
                                       "canvases per decoder pass"],
@@ -574,6 +606,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--unshared-levels", default="",
                         help="client counts to run again with every prompt encoded whole, no shared prefix "
                              "(e.g. 32; default: none)")
+    parser.add_argument("--eager-tokens", default="",
+                        help="encoder graph thresholds (rows x length) to sweep, e.g. 4096,8192 (default: none)")
+    parser.add_argument("--eager-levels", default="32", help="client counts of the threshold sweep (default 32)")
     parser.add_argument("--compile", action="store_true", help="compile the layer bodies (TORCH_COMPILE=1)")
     parser.add_argument("--fused-moe", action="store_true", help="the experts as djev's Triton kernels (FUSED_MOE=1)")
     parser.add_argument("--turnaround", action="store_true",
@@ -591,6 +626,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.gather_ms = [float(t) for t in args.gather_ms.split(",") if t.strip()]
     args.gather_levels = [int(t) for t in args.gather_levels.split(",") if t.strip()]
     args.unshared_levels = [int(t) for t in args.unshared_levels.split(",") if t.strip()]
+    args.eager_tokens = [int(t) for t in args.eager_tokens.split(",") if t.strip()]
+    args.eager_levels = [int(t) for t in args.eager_levels.split(",") if t.strip()]
     args.grid_prompts = [int(t) for t in args.grid_prompts.split(",") if t.strip()]
     if not args.tiny and not args.device.startswith("cuda"):
         parser.error("the full-size model needs a GPU; use --tiny to check the script on a CPU")
