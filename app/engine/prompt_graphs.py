@@ -27,11 +27,12 @@ batch of prompts is encoded by replaying a graph captured for its bucket:
   `torch._foreach_copy_` (one launch instead of rows x layers x 2: 1,920 at 32 prompts).
 
 Batches whose buckets hold EAGER_TOKENS tokens or more run the same static path without a graph:
-their kernels take far longer than eager launches do (a 32-prompt pass is ~160 ms of GPU work on an
-H200), so a graph saves nothing there, while a bucket's padding costs every padded token's full
-compute. Their rows
-are taken as they are and their length rounded up to EAGER_STEP only (32 tickets of 250-263 tokens:
-32 x 264 tokens instead of 32 x 320).
+their kernels take far longer than eager launches do (a pass of 32 whole tickets is ~160 ms of GPU
+work on an H200), so a graph saves little there, while a bucket's padding costs every padded token's
+full compute. Their rows are taken as they are and their length rounded up to EAGER_STEP only (32
+tickets of 250-263 tokens: 32 x 264 tokens instead of 32 x 320). Below it a graph pays: 32 tickets'
+suffixes over their sheet's prefix (32 x 128 tokens) made a read batch 112 ms replayed against 163
+ms launched eagerly (docs/benchmarks.md).
 
 A batch may be encoded over a prefix its rows share (the question sheet ahead of each state,
 `PrefixIndex` in app/engine/prompts.py): the prefix's KV, encoded once, is copied into the KV buffers
@@ -65,8 +66,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 LENGTH_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096)
 
 # A batch whose buckets hold this many tokens (rows x length) or more runs without a graph, unpadded
-# but for EAGER_STEP.
-EAGER_TOKENS = 4096
+# but for EAGER_STEP (chosen by bench_gpu_decisions --eager-tokens: 8192 against 4096 at 32 clients).
+EAGER_TOKENS = 8192
 EAGER_STEP = 8
 
 # One encoded prompt as the decoder reads it: per layer (keys, values), each [1, heads, n, dim].
