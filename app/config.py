@@ -77,7 +77,7 @@ class Settings:
         "BATCH_GATHER_MS", "hf: most ms a read batch waits for more reads under load, ending once as many canvases as the "
         "last batch had are queued; 0 = never (docs/reliability.md)"))
     kv_cache_entries: int = field(default=64, metadata=_meta(
-        "KV_CACHE_ENTRIES", "encoded prompts kept for reuse (hf engine; the shared-prefix LRU keeps min(N, 32); "
+        "KV_CACHE_ENTRIES", "encoded prompts kept for reuse (hf engine; the shared-prefix LRU keeps min(N, 16); "
         "0 turns both off)"))
     cuda_graphs: bool = field(default=True, metadata=_meta(
         "CUDA_GRAPHS", "1 replays decoder passes as CUDA graphs (CUDA only; 0 = eager)"))

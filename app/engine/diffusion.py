@@ -28,6 +28,7 @@ from app.engine.pixels import splittable
 from app.engine.prompts import (
     EncodedPrompt,
     Preprocessed,
+    PREFIX_ENTRIES,
     PrefixIndex,
     PromptCache,
     PromptEncodingMixin,
@@ -79,9 +80,8 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         # Image features by the images' digests: a frame restated in a later stage skips the vision
         # tower (a few MiB an entry).
         self.vision = PromptCache(min(kv_entries, 16))
-        # Shared prefixes' KV (a question sheet's system turn, ~30 MiB an entry at full size), and where
-        # prompts' prefixes were seen.
-        self.prefixes = PromptCache(min(kv_entries, 32))
+        # Shared prefixes' KV (a question sheet's system turn), and where prompts' prefixes were seen.
+        self.prefixes = PromptCache(min(kv_entries, PREFIX_ENTRIES))
         self.prefix_index = PrefixIndex()
         self.generation = {**GENERATION_DEFAULTS, **(generation or {})}
         self.stats: Counter[str] = Counter()

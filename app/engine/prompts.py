@@ -98,10 +98,14 @@ class PromptCache:
 
 
 # Shared prefixes are found at multiples of PREFIX_BLOCK tokens and used from PREFIX_MIN tokens on (a
-# shorter one saves less than its mask costs); PREFIX_SEEN block hashes are remembered.
+# shorter one saves less than its mask costs); PREFIX_SEEN block hashes are remembered. At most
+# PREFIX_ENTRIES prefixes' KV are kept (fewer where KV_CACHE_ENTRIES is lower): ~220 KiB a token at
+# full size, so a 150-token sheet is ~32 MiB and the bound, prefixes as long as the 1,024-token
+# window, 3.5 GiB.
 PREFIX_BLOCK = 16
 PREFIX_MIN = 64
 PREFIX_SEEN = 8192
+PREFIX_ENTRIES = 16
 
 
 class PrefixIndex:
