@@ -266,6 +266,18 @@ def stat_delta(reader: Any, before: dict, name: str) -> float:
     return reader.stats.get(name, 0) - before.get(name, 0)
 
 
+async def level(decider: Any, reader: Any, args: argparse.Namespace, clients: int, seeds: tuple[int, int],
+                label: str = "") -> dict[str, Any]:
+    """One closed-loop level: a warm-up of up to 2 s (the first seed), then `--seconds` measured (the
+    second); its point, printed after `label`."""
+    await closed_loop(decider, reader, clients, min(2.0, args.seconds), seed=seeds[0])
+    point = await closed_loop(decider, reader, clients, args.seconds, seed=seeds[1])
+    print(f"  {label}{clients} clients: {point['req_per_s']:.2f} req/s, p50 {point['p50_ms']:.0f} ms, "
+          f"p95 {point['p95_ms']:.0f} ms, {point['canvases_per_pass']:.1f} canvases a pass; "
+          f"batches {point['timeline']}", flush=True)
+    return point
+
+
 async def gather_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The batching loop's gather window (BATCH_GATHER_MS) chosen by measurement: the closed loop at
     `--gather-levels` clients for each window of `--gather-ms`; the reader's own window is restored."""
@@ -277,13 +289,9 @@ async def gather_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> l
         for gather_ms in args.gather_ms:
             reader.options = dataclasses.replace(configured, gather_ms=gather_ms)
             for clients in args.gather_levels:
-                await closed_loop(decider, reader, clients, min(2.0, args.seconds), seed=clients + 2000)
-                point = {"gather_ms": gather_ms, **await closed_loop(decider, reader, clients, args.seconds,
-                                                                      seed=clients + 3000)}
-                points.append(point)
-                print(f"  gather {gather_ms:g} ms, {clients} clients: {point['req_per_s']:.2f} req/s, "
-                      f"p50 {point['p50_ms']:.0f} ms, p95 {point['p95_ms']:.0f} ms, "
-                      f"{point['canvases_per_pass']:.1f} canvases a pass; batches {point['timeline']}", flush=True)
+                point = await level(decider, reader, args, clients, (clients + 2000, clients + 3000),
+                                    f"gather {gather_ms:g} ms, ")
+                points.append({"gather_ms": gather_ms, **point})
     finally:
         reader.options = configured
     return points
@@ -302,13 +310,9 @@ async def eager_tokens_sweep(decider: Any, reader: Any, args: argparse.Namespace
         for threshold in args.eager_tokens:
             graphs.eager_tokens = threshold
             for clients in args.eager_levels:
-                await closed_loop(decider, reader, clients, min(2.0, args.seconds), seed=clients + 6000)
-                point = {"eager_tokens": threshold, **await closed_loop(decider, reader, clients, args.seconds,
-                                                                         seed=clients + 7000)}
-                points.append(point)
-                print(f"  encoder graphs below {threshold} tokens, {clients} clients: {point['req_per_s']:.2f} req/s, "
-                      f"p50 {point['p50_ms']:.0f} ms, p95 {point['p95_ms']:.0f} ms; batches {point['timeline']}",
-                      flush=True)
+                point = await level(decider, reader, args, clients, (clients + 6000, clients + 7000),
+                                    f"encoder graphs below {threshold} tokens, ")
+                points.append({"eager_tokens": threshold, **point})
     finally:
         graphs.eager_tokens = configured
     return points
@@ -330,11 +334,8 @@ async def unshared(decider: Any, reader: Any, args: argparse.Namespace, rng: ran
             decider, [ticket(rng) for _ in range(args.reps)])), "curve": []}
         print(f"  no shared prefixes: one decision {result['unique']['p50_ms']:.1f} ms new state", flush=True)
         for clients in args.unshared_levels:
-            await closed_loop(decider, reader, clients, min(2.0, args.seconds), seed=clients + 4000)
-            point = await closed_loop(decider, reader, clients, args.seconds, seed=clients + 5000)
-            result["curve"].append(point)
-            print(f"  no shared prefixes, {clients} clients: {point['req_per_s']:.2f} req/s, p50 {point['p50_ms']:.0f} "
-                  f"ms, p95 {point['p95_ms']:.0f} ms; batches {point['timeline']}", flush=True)
+            result["curve"].append(await level(decider, reader, args, clients, (clients + 4000, clients + 5000),
+                                               "no shared prefixes, "))
     finally:
         runner.prefixes = prefixes
     return result
@@ -389,11 +390,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         results["curve"] = []
         for clients in args.levels:
-            await closed_loop(decider, reader, clients, min(2.0, args.seconds), seed=clients + 1000)  # warm-up
-            point = await closed_loop(decider, reader, clients, args.seconds, seed=clients)
-            results["curve"].append(point)
-            print(f"  {clients} clients: {point['req_per_s']:.2f} req/s, p50 {point['p50_ms']:.0f} ms, "
-                  f"p95 {point['p95_ms']:.0f} ms; batches {point['timeline']}", flush=True)
+            results["curve"].append(await level(decider, reader, args, clients, (clients + 1000, clients)))
 
         results["gather"] = await gather_sweep(decider, reader, args)
         results["unshared"] = await unshared(decider, reader, args, rng)

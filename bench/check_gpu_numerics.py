@@ -126,37 +126,42 @@ def main() -> None:
 
 
 def check_prefix(runner) -> None:
-    """Prompts encoded over a shared prefix (a 200-token sheet ahead of 100-token states): after a
-    first prompt of the sheet, the others read over the prefix sliced from its KV, on the encoder's
-    static path (no capture), batched, and captured; each against the read of the whole prompt
-    alone."""
+    """Prompts encoded over a shared prefix: two sheets (200 and 170 tokens, so prefixes of 192 and
+    160 tokens, both in 192 slots, the second right-aligned after 32 stale ones) ahead of 100-token
+    states. After each sheet's first prompt, the others read over the prefix sliced from its KV:
+    on the encoder's static path (no capture), batched, and captured, where the 160-token prefix
+    replays the graph the 192-token one captured; each against the read of the whole prompt alone."""
     import dataclasses
 
     from app.engine.base import Prompt
 
-    sheet = Specs(262144, 200, seed=7).ids(200)
-    reads = []
-    for n in range(5):
-        spec = Specs(262144, 100, seed=20 + n).read()
-        reads.append(dataclasses.replace(spec, prompt=Prompt(sheet + spec.prompt.ids)))
+    def sheet_reads(tokens: int, seed: int) -> list:
+        sheet = Specs(262144, tokens, seed=seed).ids(tokens)
+        return [dataclasses.replace(spec, prompt=Prompt(sheet + spec.prompt.ids))
+                for spec in (Specs(262144, 100, seed=seed + 1 + n).read() for n in range(4))]
+
     plain = runner()
-    alone = [plain.read([spec])[0] for spec in reads[1:]]
     static = runner(static_encoder=True)
-    static.read(reads[:1])
-    over = [static.read([spec])[0] for spec in reads[1:]]
+    batching = runner(static_decoder=True, static_encoder=True)
     both = runner(static_decoder=True, static_encoder=True)
-    both.read(reads[:1])
-    batched = both.read(reads[1:])
     graphed = runner(graphs=True)
-    graphed.read(reads[:1])
-    replayed = graphed.read(reads[1:])
-    print("  over a shared prefix vs alone    ", [largest_difference(a, b) for a, b in zip(alone, over)],
-          f"(prefix hits {static.stats.get('prefix_hits', 0)}, sliced {static.stats.get('prefixes_sliced', 0)})")
-    print("  batched over a prefix vs alone   ", [largest_difference(a, b) for a, b in zip(alone, batched)],
-          f"(prefix hits {both.stats.get('prefix_hits', 0)})")
-    print("  over a prefix, replay vs static  ", [largest_difference(a, b) for a, b in zip(batched, replayed)],
-          f"(prefix hits {graphed.stats.get('prefix_hits', 0)}, encoder captured {graphed.encoder_graphs.captures})",
-          flush=True)
+    for tokens, seed in ((200, 7), (170, 70)):
+        reads = sheet_reads(tokens, seed)
+        alone = [plain.read([spec])[0] for spec in reads[1:]]
+        for made in (static, batching, both, graphed):
+            made.read(reads[:1])
+        over = [static.read([spec])[0] for spec in reads[1:]]
+        batched = batching.read(reads[1:])
+        one_by_one = [both.read([spec])[0] for spec in reads[1:]]
+        replayed = [graphed.read([spec])[0] for spec in reads[1:]]
+        prefix = max(len(ids) for ids, _ in static.prefixes._items.values() if ids == reads[1].prompt.ids[:len(ids)])
+        label = f"  over a {prefix}-token prefix,"
+        print(label, "static vs alone     ", [largest_difference(a, b) for a, b in zip(alone, over)])
+        print(label, "batched vs alone    ", [largest_difference(a, b) for a, b in zip(alone, batched)])
+        print(label, "replay vs static    ", [largest_difference(a, b) for a, b in zip(one_by_one, replayed)],
+              f"(graphs held {sorted(graphed.encoder_graphs.graphs)})", flush=True)
+    print(f"  prefix counters: static {dict((k, v) for k, v in static.stats.items() if 'prefix' in k)}, "
+          f"graphed {dict((k, v) for k, v in graphed.stats.items() if 'prefix' in k)}", flush=True)
 
 
 def check_vision(model, device) -> None:

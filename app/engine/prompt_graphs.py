@@ -6,7 +6,8 @@ cache builds state lazily with a host-to-device copy, and its masks are built on
 batch of prompts is encoded by replaying a graph captured for its bucket:
 
 - buckets: rows to a power of two up to ROW_BUCKETS[-1], prompt length to the next of
-  LENGTH_BUCKETS; at most `max_graphs` captured (LRU) and none past `max_token_slots` rows x length;
+  LENGTH_BUCKETS (and a shared prefix's slots too, below); at most `max_graphs` captured (LRU) and
+  none past `max_token_slots` rows x (prefix slots + length);
   every graph's static tensors view one set of buffers sized for `max_token_slots` tokens and their
   activations share one pool, so the memory they hold is that of one largest batch plus a little
   per graph (`memory_bytes` says how much);
@@ -17,7 +18,7 @@ batch of prompts is encoded by replaying a graph captured for its bucket:
   token see the padding after it, so no padding mask is needed at all, positions are 0..L-1 for
   every row, and attention runs SDPA's plain causal kernels (an explicit mask sends long prompts to
   far slower ones). Only buckets longer than the sliding window carry one mask, the window's, the
-  same for every row, built on the device;
+  same for every row, built on the device (a pass over a shared prefix differs: below);
 - the KV of every layer is written into static buffers shared by all graphs (`_StaticKV`: one
   batch's worth of KV at most, whatever the number of graphs), then each row's real tokens are
   copied out, sliding layers cropped to their last window - 1 tokens exactly as the library's
@@ -192,6 +193,8 @@ class EncoderGraphs:
         self.captures = 0
         self.last_graphed = False  # whether the last pass was a replay (else unbucketed, eager)
         self._storage: dict[str, torch.Tensor] = {}  # flat buffers every graph's static tensors view
+        # A shared prefix's length, read by every graph at replay (graphs never run at once).
+        self.prefix_length = torch.zeros(1, dtype=torch.long, device=device)
 
     @property
     def memory_bytes(self) -> int:
@@ -328,14 +331,15 @@ class EncoderGraphs:
         keys, values = [], []
         for index, attention in enumerate(layer.self_attn for layer in self.text_model.layers):
             heads = attention.k_proj.out_features // attention.head_dim
-            shape = (batch, slots + length, heads, attention.head_dim)  # token-major; attention sees [rows, heads, tokens, dim]
+            # token-major; attention sees [rows, heads, tokens, dim]
+            shape = (batch, slots + length, heads, attention.head_dim)
             keys.append(self._view(f"k{index}", shape, dtype).transpose(1, 2))
             values.append(self._view(f"v{index}", shape, dtype).transpose(1, 2))
         graph = _Graph(
             rows=batch, length=length,
             embeds=self._view("embeds", (batch, length, hidden), dtype),
             cache=_StaticKV(keys, values, slots),
-            prefix_length=self._view("prefix_length", (1, 1), torch.long).view(1),
+            prefix_length=self.prefix_length,
         )
         before = torch.cuda.memory_allocated(self.device) if self.capture else 0
         if self.capture and self.graphed(key):

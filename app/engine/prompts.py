@@ -113,7 +113,8 @@ class PrefixIndex:
     multiples of `block` tokens (each leaving at least one token after it) are remembered by a
     chained hash, the hash of the previous block's hash and the block's ids, so finding the longest
     one takes one hash and one lookup per block. A hash names the last prompt that had it (by its
-    cache key); the caller checks the ids before it trusts one. Pure: no tensors, no model."""
+    cache key); the caller checks that prompt's ids before it trusts one (a hash may collide). Pure:
+    no tensors, no model."""
 
     def __init__(self, block: int = PREFIX_BLOCK, minimum: int = PREFIX_MIN, entries: int = PREFIX_SEEN) -> None:
         self.block = block
@@ -142,7 +143,8 @@ class PrefixIndex:
         return None
 
     def seen(self, hashes: Sequence[int], key: tuple) -> tuple[int, tuple] | None:
-        """(tokens, cache key) of the longest prefix another prompt (not `key`) began with."""
+        """(tokens, cache key) of the longest prefix whose hash another prompt recorded last (one
+        `key` itself recorded last is passed over)."""
         def other(value: int) -> tuple | None:
             found = self._seen.get(value)
             return None if found == key else found
@@ -319,11 +321,12 @@ class PromptEncodingMixin:
     def encode_many(
         self, prompts: Sequence[Prompt], preprocessed: Preprocessed | None = None,
     ) -> list[EncodedPrompt | Exception]:
-        """Encode several prompts: prompts missing from the LRU share left-padded encoder passes (at
-        most `max_rows` prompts and `max_prompt_tokens` padded tokens a pass, and, with encoder
-        graphs, the largest bucket that fits). Image prompts' images go through the vision tower
-        together (taken from `preprocessed` where they are there), then share passes like text. A
-        prompt that cannot be read gets its exception."""
+        """Encode several prompts: prompts missing from the LRU share encoder passes (at most
+        `max_rows` prompts and `max_prompt_tokens` padded tokens a pass, and, with encoder graphs, one
+        bucket). With encoder graphs, text prompts that begin like an earlier one are encoded over
+        that shared prefix (`_by_prefix`). Image prompts' images go through the vision tower together
+        (taken from `preprocessed` where they are there), then share passes like text. A prompt that
+        cannot be read gets its exception."""
         results: list[EncodedPrompt | Exception | None] = [None] * len(prompts)
         pending: dict[tuple, list[int]] = {}
         for index, prompt in enumerate(prompts):
@@ -366,7 +369,8 @@ class PromptEncodingMixin:
     def _prompt_batches(self, items: list, lengths: list[int], prefix: int = 0) -> list[list]:
         """`items` grouped into encoder passes, shortest first: a pass holds at most `max_rows` rows and
         `max_prompt_tokens` padded tokens, and, with encoder graphs, stays inside one graph bucket
-        whenever the prompts alone fit one (`lengths` after a shared `prefix` of that many tokens)."""
+        whenever the prompts alone fit one. With a shared `prefix` (tokens), `lengths` are what
+        follows it, and the padded-token cap counts those only."""
         graphs = self.encoder_graphs
         batches: list[list] = []
         batch: list = []
@@ -391,8 +395,9 @@ class PromptEncodingMixin:
         """The text prompts to encode split into those encoded whole and groups over a shared prefix:
         the longest in the prefix LRU, or the longest another prompt began with (PREFIX_MIN tokens or
         more) where there is none or it is longer by PREFIX_MIN tokens or more (so the prompts of a
-        sheet share one prefix, not one for each pair of states that begin alike). Only with encoder graphs (the static path runs the pass over a prefix), and only where
-        a pass over the prefix fits them. Every prompt's prefixes are recorded for later ones."""
+        sheet share one prefix, not one for each pair of states that begin alike); of those, the
+        first that a pass over it fits. Only with encoder graphs (the static path runs passes over a
+        prefix). Every prompt's prefixes are recorded for later ones."""
         graphs = self.encoder_graphs
         if graphs is None or graphs.disabled is not None or self.prefixes.entries <= 0:
             return text, []
@@ -407,18 +412,30 @@ class PromptEncodingMixin:
             self.prefix_index.record(hashes, key)
             if seen is not None and cached is not None and seen[0] - cached[0] < self.prefix_index.minimum:
                 seen = None  # a new, longer prefix only where it saves as much again: one group a sheet
-            chosen = seen or cached
-            if chosen is None or not graphs.fits(1, len(ids) - chosen[0], chosen[0]):
-                whole.append(item)
-                continue
-            length, found = chosen
-            value = hashes[length // self.prefix_index.block - 1]
-            group = groups.get(value)
+            candidates = [(chosen, chosen is seen) for chosen in (seen, cached) if chosen is not None]
+            group = None
+            for (length, found), new in candidates:
+                if graphs.fits(1, len(ids) - length, length):
+                    group = self._join(groups, hashes[length // self.prefix_index.block - 1], ids[:length],
+                                       found, new)
+                    break
             if group is None:
-                group = groups[value] = _PrefixGroup(value, ids[:length], found if seen else None, [],
-                                                     None if seen else found)
-            group.items.append(item)
+                whole.append(item)
+            else:
+                group.items.append(item)
         return whole, list(groups.values())
+
+    @staticmethod
+    def _join(groups: dict[int, _PrefixGroup], value: int, ids: tuple[int, ...], found: Any,
+              new: bool) -> _PrefixGroup | None:
+        """The group of the prefix `ids` (its chained hash `value`), made on first use: a new prefix
+        names the prompt it is sliced from (`found` is its cache key), a cached one brings its KV.
+        None where another prefix holds the hash (a collision): that prompt is encoded whole."""
+        group = groups.get(value)
+        if group is None:
+            group = groups[value] = _PrefixGroup(value=value, ids=ids, items=[], source=found if new else None,
+                                                 encoded=None if new else found)
+        return group if group.ids == ids else None
 
     def _cached_prefix(self, value: int, ids: tuple[int, ...]) -> EncodedPrompt | None:
         entry = self.prefixes.get(value)
@@ -436,32 +453,40 @@ class PromptEncodingMixin:
                 self.prefixes.put(group.value, (group.ids, group.encoded))
             length = len(group.ids)
             items = group.items
+            refused: list = []
             for batch in self._prompt_batches(items, [len(key[0]) - length for key, _ in items], length):
                 rows = [list(key[0][length:]) for key, _ in batch]
-                layers = self._encode_suffixes(rows, group.encoded)
+                layers = self._static_pass(rows, group.encoded)
                 if layers is None:
-                    whole = [list(key[0]) for key, _ in batch]
-                    self._store(batch, self._encode_ids(whole), [len(ids) for ids in whole], results)
+                    refused.extend(batch)
                     continue
                 self.stats["prefix_hits"] += len(batch)
                 self._store(batch, layers, [length + len(row) for row in rows], results)
+            for batch in self._prompt_batches(refused, [len(key[0]) for key, _ in refused]):
+                whole = [list(key[0]) for key, _ in batch]
+                self._store(batch, self._encode_ids(whole), [len(ids) for ids in whole], results)
 
     def _prefix_kv(self, group: _PrefixGroup) -> EncodedPrompt:
         """A new shared prefix's KV: the first tokens of the prompt that began with it where that
-        prompt's KV is in the LRU whole (no sliding layer cropped), else one pass of its own."""
+        prompt's KV is in the LRU whole (no sliding layer cropped) and its ids do begin with the
+        prefix (a hash names it), else one pass of its own."""
         length = len(group.ids)
         source = self.prompts.get(group.source) if group.source is not None else None
-        if source is not None and source.length < int(self.text_config.sliding_window):
+        if (source is not None and source.length < int(self.text_config.sliding_window)
+                and group.source[0][:length] == group.ids):
             self.stats["prefixes_sliced"] += 1
             layers = [(keys[:, :, :length], values[:, :, :length]) for keys, values in source.layers]
             return EncodedPrompt(copy_rows([layers])[0], length)
         self.stats["prefixes_encoded"] += 1
         return EncodedPrompt(self._encode_ids([list(group.ids)])[0], length)
 
-    def _encode_suffixes(self, rows: list[list[int]], prefix: EncodedPrompt) -> list | None:
-        """Each row's whole KV from one static pass over its suffix after `prefix`; None where the
-        static path turns the batch down."""
-        replayed = self.encoder_graphs.encode_ids(rows, self._pad_id(), prefix=(prefix.layers, prefix.length))
+    def _static_pass(self, rows: list[list[int]], prefix: EncodedPrompt | None = None) -> list | None:
+        """Each row's KV from one pass on the encoder graphs' static path (with `prefix`, the rows are
+        its suffixes and each row's KV is the whole prompt's); None where the path turns it down."""
+        if self.encoder_graphs is None:
+            return None
+        replayed = self.encoder_graphs.encode_ids(rows, self._pad_id(),
+                                                  prefix=(prefix.layers, prefix.length) if prefix else None)
         if replayed is None:
             return None
         self.stats["encoder_passes"] += 1
@@ -519,12 +544,10 @@ class PromptEncodingMixin:
     def _encode_ids(self, rows: list[list[int]]) -> list:
         """Each row's KV layers: one pass on the encoder graphs' static path, or one eager
         left-padded encoder pass."""
+        replayed = self._static_pass(rows)
+        if replayed is not None:
+            return replayed
         self.stats["encoder_passes"] += 1
-        if self.encoder_graphs is not None:
-            replayed = self.encoder_graphs.encode_ids(rows, self._pad_id())
-            if replayed is not None:
-                self._count_static_pass()
-                return replayed
         embeds = self.model.model.encoder.get_input_embeddings()(self._left_padded(rows))
         return self._encode_eager(embeds, [len(ids) for ids in rows])
 

@@ -15,7 +15,8 @@ from tests.engine.test_prompt_graphs import assert_same_kv, graphed_runner
 # The tiny model's sliding window is 64 tokens: a pass over a prefix must fit it, so the buckets are
 # fine and the prefix blocks small.
 LENGTHS = (8, 16, 24, 32, 40, 48, 64, 128)
-SHEET = "Question q1: is the customer angry?"  # 36 tokens of the tiny tokenizer's ahead of the state
+SHEET = "Question q1: is the customer angry?"  # the prompts of this sheet share 24 tiny-tokenizer tokens
+UNALIGNED = SHEET + " urgent"  # 28 tokens shared: a prefix of 28 right-aligned in 32 slots
 
 
 def prefixed_runner(tiny_dir, **options):
@@ -140,6 +141,7 @@ def test_prompts_a_prefix_pass_cannot_hold_are_encoded_whole(tiny_dir, eager, to
     prompt = sheet_prompt(tokenizer, long_state)
     encoded = runner.encode_many([prompt])[0]
     assert "prefix_hits" not in runner.stats
+    assert "prefixes_sliced" not in runner.stats and "prefixes_encoded" not in runner.stats  # none made for it
     assert_same_kv(eager.encode_many([prompt])[0], encoded)
 
 
@@ -194,3 +196,76 @@ def test_a_longer_prefix_is_made_only_where_it_saves_a_minimum_more(tiny_dir, ea
     longest = max(len(ids) for ids, _ in runner.prefixes._items.values())
     assert longest - len(sheet_ids) >= 8
     assert_same_kv(eager.encode_many([repeated[1]])[0], encoded)
+
+
+@torch.no_grad()
+def test_a_sheet_and_its_followers_in_one_call_equal_the_eager_encoder(tiny_dir, eager, tokenizer):
+    runner = prefixed_runner(tiny_dir)
+    prompts = [sheet_prompt(tokenizer, state) for state in ("first one", "the second", "and a third")]
+    together = runner.encode_many(prompts)  # the first whole; the others over a prefix sliced from it
+    assert runner.stats["prefixes_sliced"] == 1 and runner.stats["prefix_hits"] == 2
+    for prompt, encoded in zip(prompts, together):
+        assert_same_kv(eager.encode_many([prompt])[0], encoded)
+
+
+@torch.no_grad()
+def test_a_prefix_right_aligned_in_its_slots_never_reads_the_slots_before_it(tiny_dir, eager, tokenizer):
+    runner = prefixed_runner(tiny_dir)
+    seed = sheet_prompt(tokenizer, "seed", UNALIGNED)
+    prompts = [sheet_prompt(tokenizer, state, UNALIGNED) for state in ("my invoice is wrong", "refund please")]
+    length = shared_length(seed, prompts[0])
+    assert length // 4 * 4 == 28 and runner.encoder_graphs.key(2, 32, 28)[2] == 32  # 4 slots before it
+    runner.encode_many([seed])
+    for buffer in runner.encoder_graphs._storage.values():  # whatever earlier passes left there
+        if buffer.is_floating_point():
+            buffer.fill_(100.0)
+    together = runner.encode_many(prompts)
+    assert runner.stats["prefix_hits"] == 2
+    for prompt, encoded in zip(prompts, together):
+        assert_same_kv(eager.encode_many([prompt])[0], encoded)
+
+
+@torch.no_grad()
+def test_a_prefix_is_not_sliced_from_a_prompt_whose_sliding_layers_were_cropped(tiny_dir, eager, tokenizer):
+    runner = prefixed_runner(tiny_dir)
+    long_prompt = sheet_prompt(tokenizer, " ".join(f"w{i}" for i in range(20)))
+    assert len(long_prompt.ids) >= 64  # its KV in the LRU keeps only the window's last 63 tokens
+    runner.encode_many([long_prompt])
+    prompt = sheet_prompt(tokenizer, "a short one")
+    encoded = runner.encode_many([prompt])[0]
+    assert runner.stats["prefixes_encoded"] == 1 and "prefixes_sliced" not in runner.stats
+    assert_same_kv(eager.encode_many([prompt])[0], encoded)
+
+
+@torch.no_grad()
+def test_suffixes_the_static_path_turns_down_are_encoded_whole(tiny_dir, eager, tokenizer, monkeypatch):
+    runner = prefixed_runner(tiny_dir)
+    graphs = runner.encoder_graphs
+    real = graphs.encode_ids
+    monkeypatch.setattr(graphs, "encode_ids", lambda rows, pad, prefix=None: None if prefix else real(rows, pad))
+    prompts = [sheet_prompt(tokenizer, state) for state in ("seed", "one", "two")]
+    together = runner.encode_many(prompts)
+    assert "prefix_hits" not in runner.stats and runner.stats["kv_misses"] == 3
+    for prompt, encoded in zip(prompts, together):
+        assert_same_kv(eager.encode_many([prompt])[0], encoded)
+
+
+@torch.no_grad()
+def test_prompts_whose_prefix_hashes_collide_are_never_given_each_others_kv(tiny_dir, eager, tokenizer):
+    runner = prefixed_runner(tiny_dir)
+    index = runner.prefix_index
+    index.hashes = lambda ids: list(range(1, (len(ids) - 1) // index.block + 1))  # every prompt's k-th hash is k
+    a, b, c = (sheet_prompt(tokenizer, "one", "Sheet A?"), sheet_prompt(tokenizer, "two", "Another sheet B?"),
+               sheet_prompt(tokenizer, "three", "Sheet A?"))
+    runner.encode_many([a])
+    results = runner.encode_many([b]) + runner.encode_many([c])
+    # b "saw" a's hashes and c found b's prefix in the LRU under its hash: the ids differ, so nothing is
+    # sliced from the wrong prompt and no prefix of another sheet is used.
+    assert "prefixes_sliced" not in runner.stats
+    # One call, two prompts of one length (so one longest hash) and different sheets: the second
+    # may not join the first's group.
+    pair = [sheet_prompt(tokenizer, "x", "Sheet C?"), sheet_prompt(tokenizer, "y", "Sheet D?")]
+    assert len(pair[0].ids) == len(pair[1].ids) and pair[0].ids[:20] != pair[1].ids[:20]
+    together = runner.encode_many(pair)
+    for prompt, encoded in zip([b, c, *pair], results + together):
+        assert_same_kv(eager.encode_many([prompt])[0], encoded)
