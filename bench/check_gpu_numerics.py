@@ -134,6 +134,7 @@ def check_prefix(runner) -> None:
     import dataclasses
 
     from app.engine.base import Prompt
+    from app.engine.prompts import PromptCache
 
     def sheet_reads(tokens: int, seed: int) -> list:
         sheet = Specs(262144, tokens, seed=seed).ids(tokens)
@@ -145,6 +146,8 @@ def check_prefix(runner) -> None:
     batching = runner(static_decoder=True, static_encoder=True)
     both = runner(static_decoder=True, static_encoder=True)
     graphed = runner(graphs=True)
+    whole = runner(static_encoder=True)  # the same static path with every prompt encoded whole
+    whole.prefixes = PromptCache(0)
     for tokens, seed in ((200, 7), (170, 70)):
         reads = sheet_reads(tokens, seed)
         alone = [plain.read([spec])[0] for spec in reads[1:]]
@@ -153,9 +156,20 @@ def check_prefix(runner) -> None:
         over = [static.read([spec])[0] for spec in reads[1:]]
         batched = batching.read(reads[1:])
         one_by_one = [both.read([spec])[0] for spec in reads[1:]]
+        whole_static = [whole.read([spec])[0] for spec in reads[1:]]
         replayed = [graphed.read([spec])[0] for spec in reads[1:]]
         prefix = max(len(ids) for ids, _ in static.prefixes._items.values() if ids == reads[1].prompt.ids[:len(ids)])
         label = f"  over a {prefix}-token prefix,"
+        # The prefix's KV (sliced from the sheet's first prompt, encoded whole on the static path)
+        # against the eager encoder's: token rows off by > 1e-2 are the random routers' flips.
+        (prefix_ids, prefix_kv), = [(ids, kv) for ids, kv in static.prefixes._items.values()
+                                    if ids == reads[1].prompt.ids[:len(ids)]]
+        rows = [(a[0] - b[0]).abs().amax(dim=(0, 1, 3))
+                for a, b in zip(plain.encode(Prompt(prefix_ids)).layers, prefix_kv.layers)]
+        print(label, "prefix KV vs eager  ", f"largest {max(float(r.max()) for r in rows):.2e}; token rows off by "
+              f"> 1e-2: {sum(int((r > 1e-2).sum()) for r in rows)} of {sum(r.numel() for r in rows)}")
+        print(label, "static vs whole     ", [largest_difference(a, b) for a, b in zip(whole_static, over)],
+              "(the same static path, the prompt encoded whole)")
         print(label, "static vs alone     ", [largest_difference(a, b) for a, b in zip(alone, over)])
         print(label, "batched vs alone    ", [largest_difference(a, b) for a, b in zip(alone, batched)])
         print(label, "replay vs static    ", [largest_difference(a, b) for a, b in zip(one_by_one, replayed)],
