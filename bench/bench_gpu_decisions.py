@@ -278,44 +278,53 @@ async def level(decider: Any, reader: Any, args: argparse.Namespace, clients: in
     return point
 
 
+async def sweep(decider: Any, reader: Any, args: argparse.Namespace, name: str, values: Sequence[Any],
+                levels: Sequence[int], use: Any, seed: int) -> list[dict[str, Any]]:
+    """A closed-loop level at each of `levels` clients for each of `values`, set by `use(value)` (which
+    returns the level's label); each point carries its value under `name`."""
+    points: list[dict[str, Any]] = []
+    for value in values:
+        label = use(value)
+        for clients in levels:
+            point = await level(decider, reader, args, clients, (clients + seed, clients + seed + 1000), label)
+            points.append({name: value, **point})
+    return points
+
+
 async def gather_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The batching loop's gather window (BATCH_GATHER_MS) chosen by measurement: the closed loop at
     `--gather-levels` clients for each window of `--gather-ms`; the reader's own window is restored."""
     import dataclasses
 
-    points: list[dict[str, Any]] = []
     configured = reader.options
+
+    def use(gather_ms: float) -> str:
+        reader.options = dataclasses.replace(configured, gather_ms=gather_ms)
+        return f"gather {gather_ms:g} ms, "
+
     try:
-        for gather_ms in args.gather_ms:
-            reader.options = dataclasses.replace(configured, gather_ms=gather_ms)
-            for clients in args.gather_levels:
-                point = await level(decider, reader, args, clients, (clients + 2000, clients + 3000),
-                                    f"gather {gather_ms:g} ms, ")
-                points.append({"gather_ms": gather_ms, **point})
+        return await sweep(decider, reader, args, "gather_ms", args.gather_ms, args.gather_levels, use, 2000)
     finally:
         reader.options = configured
-    return points
 
 
 async def eager_tokens_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Where the encoder's large passes stop being graphed (EAGER_TOKENS in app/engine/prompt_graphs.py)
     chosen by measurement: the closed loop at `--eager-levels` clients for each threshold of
     `--eager-tokens`; the runner's own threshold is restored."""
-    points: list[dict[str, Any]] = []
     graphs = reader.runner.encoder_graphs
-    if graphs is None or not args.eager_tokens:
-        return points
+    if graphs is None:
+        return []
     configured = graphs.eager_tokens
+
+    def use(threshold: int) -> str:
+        graphs.eager_tokens = threshold
+        return f"encoder graphs below {threshold} tokens, "
+
     try:
-        for threshold in args.eager_tokens:
-            graphs.eager_tokens = threshold
-            for clients in args.eager_levels:
-                point = await level(decider, reader, args, clients, (clients + 6000, clients + 7000),
-                                    f"encoder graphs below {threshold} tokens, ")
-                points.append({"eager_tokens": threshold, **point})
+        return await sweep(decider, reader, args, "eager_tokens", args.eager_tokens, args.eager_levels, use, 6000)
     finally:
         graphs.eager_tokens = configured
-    return points
 
 
 async def unshared(decider: Any, reader: Any, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
