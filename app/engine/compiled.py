@@ -61,19 +61,18 @@ def compile_layers(model: Any, backend: str = "inductor") -> int:
     and every vision encoder layer its forward compiled; returns how many text layers. Configures
     the calling thread (`configure_thread`); other threads that run the model must configure
     themselves."""
+    import functools
+
     import torch
 
     from app.engine.layers import install, install_vision
 
     configure_thread()
     layers = model_layers(model)
-
-    def compile(function: Any) -> Any:
-        return torch.compile(function, backend=backend, dynamic=None)
-
-    install(layers, compile=compile)
+    compiled = functools.partial(torch.compile, backend=backend, dynamic=None)
+    install(layers, compile=compiled)
     vision = vision_layers(model)
-    install_vision(vision, compile=compile)
+    install_vision(vision, compile=compiled)
     log.info("torch.compile (%s) on the %d text layers' attention inputs and feed-forward halves and the %d "
              "vision layers: each new shape compiles on first use", backend, len(layers), len(vision))
     return len(layers)
@@ -105,10 +104,7 @@ def warm_up(runner: Any, canvas_length: int) -> float:
         ids = (*range(base, base + 32), int(runner.config.image_token_id))
         picture = ImageInput(_grey_jpeg(), "image/jpeg", "warm-up")
         _read_all(runner, [ReadSpec(Prompt(ids, (picture,)), ((0,) * width,), (1,), ((base, base + 1),))])
-    runner.prompts.clear()
-    runner.vision.clear()
-    runner.prefixes.clear()
-    runner.prefix_index.clear()
+    runner.clear_caches()
     runner.stats.clear()  # the counters (and /metrics) start at the first request
     return time.perf_counter() - started
 

@@ -101,6 +101,11 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
                                                 sliding_window=int(self.text_config.sliding_window))
 
 
+    def clear_caches(self) -> None:
+        """Forget every encoded prompt, image feature and shared prefix (the warm-up's)."""
+        for cache in (self.prompts, self.vision, self.prefixes, self.prefix_index):
+            cache.clear()
+
     # ------------------------------------------------------------------ decoder passes
 
     def _decoder_hidden(

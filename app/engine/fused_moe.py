@@ -125,9 +125,7 @@ def expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_
     None = block_config's. `down`, if given, is the down kernel's own tiles (same block_m)."""
     import triton
 
-    from triton.runtime.jit import JITFunction
-
-    from app.engine.fused_moe_kernels import down_kernel, gate_up_kernel
+    from app.engine.fused_moe_kernels import RUN_INTERPRETED, down_kernel, gate_up_kernel
 
     tokens, hidden = hidden_states.shape
     experts, double_inter, _ = gate_up_proj.shape
@@ -138,9 +136,6 @@ def expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_
     down = down or DOWN_TILES.get(config, config)
     if down.block_m != config.block_m:
         raise ValueError("both kernels read the same blocks of pairs: block_m must match")
-    # Triton's interpreter (how the CPU tests run the kernels) makes @triton.jit kernels plain
-    # Python functions rather than JITFunctions; the kernels then work around its gaps.
-    interpreted = not isinstance(gate_up_kernel, JITFunction)
     precision = "ieee" if hidden_states.dtype == torch.float32 else "tf32"
     x = hidden_states.contiguous()
     gate_up_proj = gate_up_proj.contiguous()
@@ -153,14 +148,14 @@ def expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_
         total, hidden, inter, top_k, experts,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), activated.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, INTERPRETED=interpreted, PRECISION=precision)
+        num_warps=config.num_warps, num_stages=config.num_stages, INTERPRETED=RUN_INTERPRETED, PRECISION=precision)
     rows = torch.empty((total, hidden), dtype=x.dtype, device=x.device)
     down_kernel[(blocks, triton.cdiv(hidden, down.block_n))](
         activated, down_proj, rows, pairs, block_experts,
         total, hidden, inter, experts,
         activated.stride(0), down_proj.stride(0), down_proj.stride(1), rows.stride(0),
         BLOCK_M=down.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        num_warps=down.num_warps, num_stages=down.num_stages, INTERPRETED=interpreted, PRECISION=precision)
+        num_warps=down.num_warps, num_stages=down.num_stages, INTERPRETED=RUN_INTERPRETED, PRECISION=precision)
     return rows
 
 

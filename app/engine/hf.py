@@ -75,15 +75,14 @@ def pick_device(requested: str) -> str:
     return requested
 
 
-def settle_heap() -> int:
+def settle_heap() -> None:
     """Set every object alive now (the model, the libraries, the compiled code) aside from the
     garbage collector's passes, which otherwise walk them all in every full pass: several hundred
     thousand objects, ~170 ms a pass on this project's CPU box, and a 32-prompt read on an H200
     that now and then took 500 ms more than its median (docs/benchmarks.md). Called once the model
-    is loaded and warmed up; returns how many objects are set aside (they stay alive for good, so
-    cyclic garbage of the start-up stays too: a few objects, once)."""
+    is loaded and warmed up (they stay alive for good, so cyclic garbage of the start-up stays too:
+    a few objects, once). Cheap; counting what it set aside (`gc.get_freeze_count`) walks them all."""
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 def built_count(runner: Any) -> int:
@@ -93,7 +92,7 @@ def built_count(runner: Any) -> int:
     H200 after the levels of a load compiled new shapes: docs/benchmarks.md)."""
     total = 0
     for name in ("graphs", "encoder_graphs", "vision_graphs"):
-        total += int(getattr(getattr(runner, name, None), "captures", 0) or 0)
+        total += getattr(getattr(runner, name, None), "captures", 0)
     dynamo = sys.modules.get("torch._dynamo.utils")
     if dynamo is not None:
         total += int(dynamo.counters["stats"].get("unique_graphs", 0))
@@ -157,7 +156,8 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
 
         log.info("compiling the model's layers before the first request (TORCH_COMPILE) ...")
         log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
-    log.info("%d objects set aside from the garbage collector's full passes", settle_heap())
+    settle_heap()  # at start-up, so the count's walk of the heap costs nothing under load
+    log.info("%d objects set aside from the garbage collector's full passes", gc.get_freeze_count())
     device_label = torch.cuda.get_device_name(device) if on_cuda else "cpu"
     info = ReaderInfo(
         model=options.served_name or path.name,
@@ -421,9 +421,8 @@ class HFReader:
                 # caller (the last batch served one job) never waits.
                 try:
                     await self._gather(job)
-                except asyncio.CancelledError:  # the engine stops: the job is out of the queue already
-                    self._release(job)
-                    self._fail(job, EngineUnavailable("the engine stopped"))
+                except asyncio.CancelledError:  # the engine stops: back in the queue, which stop() fails
+                    self._queue.appendleft(job)
                     raise
             batch = [job]
             rows = job.rows
@@ -444,18 +443,15 @@ class HFReader:
         read) or a full batch: the wait costs nothing once they are all in, and a caller a little
         late still rides this batch rather than the next (measured: docs/benchmarks.md)."""
         assert self._wakeup is not None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.options.gather_ms / 1000
+        deadline = asyncio.get_running_loop().time() + self.options.gather_ms / 1000
         wanted = min(max(self._last_rows, 2), self.options.max_batch_rows)
-        while first.rows + self._queued_read_rows() < wanted:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return
-            self._wakeup.clear()  # _submit sets it for every job it queues
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except asyncio.TimeoutError:
-                return
+        try:
+            async with asyncio.timeout_at(deadline):
+                while first.rows + self._queued_read_rows() < wanted:
+                    self._wakeup.clear()  # _submit sets it for every job it queues
+                    await self._wakeup.wait()
+        except TimeoutError:
+            return
 
     def _queued_read_rows(self) -> int:
         """Canvases of the read jobs at the head of the queue (what a batch formed now would take)."""
@@ -472,7 +468,8 @@ class HFReader:
         built = built_count(self.runner)
         if built != self._built:
             self._built = built
-            log.info("new graphs built: %d objects set aside from the collector's passes", settle_heap())
+            settle_heap()
+            log.info("new graphs built (%d so far): the heap set aside from the collector's passes again", built)
 
     async def _read_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_ReadJob]) -> None:
         self._busy = len(batch) > 1 or bool(self._queue)

@@ -156,7 +156,6 @@ class _Graph:
     length: int
     embeds: torch.Tensor  # [rows, length, hidden] input embeddings, right-padded
     cache: _StaticKV
-    prefix_length: torch.Tensor  # [1] on the device: the real prefix tokens, right-aligned in its slots
     graph: Any = None
     memory: int = 0
 
@@ -291,7 +290,7 @@ class EncoderGraphs:
 
     def _load_prefix(self, graph: _Graph, prefix: tuple[Layers, int]) -> int:
         """The shared prefix's KV into every row's first slots, right-aligned, and its length into
-        the graph's static input; returns the length."""
+        the static input every graph reads (`prefix_length`); returns the length."""
         layers, length = prefix
         slots = graph.cache.prefix_slots
         targets, sources = [], []
@@ -300,7 +299,7 @@ class EncoderGraphs:
                 targets.append(buffer[:, :, slots - length:slots])
                 sources.append(source.expand(graph.rows, -1, -1, -1))
         copy_all(targets, sources)
-        graph.prefix_length.fill_(length)
+        self.prefix_length.fill_(length)
         return length
 
     def _rows_layers(self, graph: _Graph, lengths: list[int], prefix_length: int = 0) -> list[Layers]:
@@ -339,7 +338,6 @@ class EncoderGraphs:
             rows=batch, length=length,
             embeds=self._view("embeds", (batch, length, hidden), dtype),
             cache=_StaticKV(keys, values, slots),
-            prefix_length=self.prefix_length,
         )
         before = torch.cuda.memory_allocated(self.device) if self.capture else 0
         if self.capture and self.graphed(key):
@@ -376,10 +374,10 @@ class EncoderGraphs:
         slots = graph.cache.prefix_slots
         if slots:
             keys = torch.arange(slots + length, device=self.device).view(1, -1)
-            visible = (keys >= slots - graph.prefix_length) & (keys <= slots + index.view(-1, 1))
+            visible = (keys >= slots - self.prefix_length) & (keys <= slots + index.view(-1, 1))
             mask = visible.view(1, 1, length, slots + length)
             masks = {"full_attention": mask, "sliding_attention": mask}
-            positions = positions + graph.prefix_length
+            positions = positions + self.prefix_length
         elif length > self.sliding_window:
             query, key = index.view(-1, 1), index.view(1, -1)
             masks["sliding_attention"] = ((key <= query) & (query - key < self.sliding_window)).view(1, 1, length, length)

@@ -485,13 +485,8 @@ class PromptEncodingMixin:
         its suffixes and each row's KV is the whole prompt's); None where the path turns it down."""
         if self.encoder_graphs is None:
             return None
-        replayed = self.encoder_graphs.encode_ids(rows, self._pad_id(),
-                                                  prefix=(prefix.layers, prefix.length) if prefix else None)
-        if replayed is None:
-            return None
-        self.stats["encoder_passes"] += 1
-        self._count_static_pass()
-        return replayed
+        return self._counted(self.encoder_graphs.encode_ids(
+            rows, self._pad_id(), prefix=(prefix.layers, prefix.length) if prefix else None))
 
     def _store(self, batch: list[tuple[tuple, list[int]]], layers: list, lengths: list[int], results: list) -> None:
         self.stats["kv_misses"] += len(batch)
@@ -552,21 +547,24 @@ class PromptEncodingMixin:
         return self._encode_eager(embeds, [len(ids) for ids in rows])
 
     def _encode_embeds(self, rows: list[torch.Tensor]) -> list:
-        self.stats["encoder_passes"] += 1
         if self.encoder_graphs is not None:
-            replayed = self.encoder_graphs.encode_embeds(rows)
+            replayed = self._counted(self.encoder_graphs.encode_embeds(rows))
             if replayed is not None:
-                self._count_static_pass()
                 return replayed
+        self.stats["encoder_passes"] += 1
         lengths = [int(row.shape[0]) for row in rows]
         longest = max(lengths)
         embeds = torch.stack([F.pad(row, (0, 0, longest - row.shape[0], 0)) for row in rows])
         return self._encode_eager(embeds, lengths)
 
-    def _count_static_pass(self) -> None:
-        """A pass on the encoder graphs' static path: a replay, or a large batch's ungraphed pass."""
-        graphed = self.encoder_graphs.last_graphed
-        self.stats["encoder_graph_replays" if graphed else "encoder_unbucketed_passes"] += 1
+    def _counted(self, replayed: list | None) -> list | None:
+        """`replayed` as it is, a pass on the encoder graphs' static path counted where there was one:
+        a replay, or a large batch's ungraphed pass."""
+        if replayed is not None:
+            self.stats["encoder_passes"] += 1
+            graphed = self.encoder_graphs.last_graphed
+            self.stats["encoder_graph_replays" if graphed else "encoder_unbucketed_passes"] += 1
+        return replayed
 
     def _left_padded(self, rows: list[list[int]]) -> torch.Tensor:
         longest = max(len(ids) for ids in rows)

@@ -65,11 +65,18 @@ class HFChatTokenizer(ChatTokenizer):
         return list(self._special.encode(text, add_special_tokens=False).ids) if text else []
 
     def encode(self, text: str) -> list[int]:
-        encode = self._encode_cached if len(text) <= ENCODE_CACHE_CHARS else self._encode_uncached
-        return list(encode(text))
+        if len(text) <= ENCODE_CACHE_CHARS:
+            return list(self._encode_cached(text))
+        return list(self._plain.encode(text, add_special_tokens=False).ids)  # long: copied once, not cached
 
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(self._plain.encode(text, add_special_tokens=False).ids) if text else ()
+
+    @property
+    def wrapper(self) -> Any:
+        """The transformers tokenizer itself, for others that render its chat template (ChatFormer):
+        they call it under `lock`."""
+        return self._tok
 
     @property
     def lock(self) -> threading.RLock:

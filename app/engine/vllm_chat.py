@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import base64
 import re
-import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from app.engine.base import EngineInputError, ImageInput, Prompt
+
+if TYPE_CHECKING:
+    from app.engine.tokenizer import HFChatTokenizer
 
 IMAGE_PART = "image"  # a content part that stands for the next image of the prompt
 
@@ -66,12 +68,11 @@ def data_url(image: ImageInput) -> str:
 class ChatFormer:
     """Cuts djev prompt ids into chat messages with the checkpoint's own tokenizer and template."""
 
-    def __init__(self, raw_tokenizer: Any, image_id: int, lock: Any = None) -> None:
-        self.raw = raw_tokenizer
+    def __init__(self, tokenizer: HFChatTokenizer, image_id: int) -> None:
         # The transformers wrapper is not safe to share between threads, and forms are made in worker
-        # threads: its decode and template run under `lock` (the HFChatTokenizer's, when it shares the
-        # wrapper: `HFChatTokenizer.lock`).
-        self.lock = lock if lock is not None else threading.RLock()
+        # threads: decoding goes through the HFChatTokenizer, and the template runs under its lock.
+        self.tokenizer = tokenizer
+        self.raw = tokenizer.wrapper
         self.image_id = image_id
         self.turn_open = self._single_id("<|turn>")
         self.turn_close = self._single_id("<turn|>")
@@ -80,6 +81,11 @@ class ChatFormer:
         # (None: the template does not copy stand-ins through, so that shape is rendered in full).
         self._skeletons: dict[tuple, tuple[str | int, ...] | None] = {}
 
+    @property
+    def lock(self) -> Any:
+        """The HFChatTokenizer's lock, which serialises the wrapper they share."""
+        return self.tokenizer.lock
+
     def _single_id(self, token: str) -> int:
         ids = self.raw.encode(token, add_special_tokens=False)
         if len(ids) != 1:
@@ -87,8 +93,7 @@ class ChatFormer:
         return int(ids[0])
 
     def _decode(self, ids: Sequence[int]) -> str:
-        with self.lock:
-            return self.raw.decode(list(ids), skip_special_tokens=False)
+        return self.tokenizer.decode(ids)
 
     def form(self, prompt: Prompt) -> ChatForm:
         ids = list(prompt.ids)

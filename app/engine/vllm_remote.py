@@ -78,7 +78,7 @@ class RemoteOptions:
 class RemoteReader:
     stat_gauges = ("upstreams_healthy", "outstanding")  # levels, not counts (for /metrics)
 
-    def __init__(self, tokenizer: Any, raw_tokenizer: Any, image_ids: tuple[int, int, int],
+    def __init__(self, tokenizer: Any, image_ids: tuple[int, int, int],
                  info: ReaderInfo, options: RemoteOptions) -> None:
         self.tokenizer = tokenizer
         self.info = info
@@ -87,7 +87,7 @@ class RemoteReader:
                                  read_timeout=options.read_timeout, health_interval=options.health_interval)
         self.upstreams = self.pool.upstreams
         self.image_id, self.boi_id, self.eoi_id = image_ids
-        self.chat_former = ChatFormer(raw_tokenizer, self.image_id, lock=tokenizer.lock)
+        self.chat_former = ChatFormer(tokenizer, self.image_id)
         self.counts: Counter[str] = Counter()
 
     @property
@@ -115,8 +115,10 @@ class RemoteReader:
     async def read(self, specs: Sequence[ReadSpec]) -> list[ReadResult]:
         for spec in specs:
             self._check_prompt(spec.prompt)
-        # An image prompt's chat messages are formed (and checked) once, for all its canvases.
-        chats = [await self._chat_fields(spec.prompt) if spec.prompt.images else None for spec in specs]
+        # An image prompt's chat messages are formed (and checked) once, for all its canvases; every
+        # image prompt's in one worker-thread trip.
+        chats = await asyncio.to_thread(
+            lambda: [self._form_chat(spec.prompt) if spec.prompt.images else None for spec in specs])
         jobs = []
         for spec, chat in zip(specs, chats):
             groups = label_id_groups(spec, STOCK_LOGPROB_ID_CAP)  # once, for all the spec's canvases
@@ -125,11 +127,14 @@ class RemoteReader:
         self.counts["reads"] += len(specs)
         return results
 
+    def _form_chat(self, prompt: Prompt) -> dict[str, Any]:
+        """An image prompt as chat completion fields: the prompt decoded, the template filled (rendered
+        anew for a new shape) and every image base64-encoded, work that grows with the prompt and the
+        images, so it runs in a worker thread (`_chat_fields`, `read`)."""
+        return self.chat_former.form(prompt).request_fields(prompt.images)
+
     async def _chat_fields(self, prompt: Prompt) -> dict[str, Any]:
-        """An image prompt as chat completion fields, formed in a worker thread: the prompt decoded,
-        the template filled (rendered anew for a new shape) and every image base64-encoded, work that
-        grows with the prompt and the images."""
-        return await asyncio.to_thread(lambda: self.chat_former.form(prompt).request_fields(prompt.images))
+        return await asyncio.to_thread(self._form_chat, prompt)
 
     async def _read_canvas(self, spec: ReadSpec, canvas: tuple[int, ...], groups: Sequence[tuple[int, ...]],
                            chat: dict | None) -> CanvasAnswer:
@@ -280,8 +285,8 @@ def load_remote_reader(checkpoint: str | Path, options: RemoteOptions) -> Remote
     """The remote engine over a local checkpoint directory (for its tokenizer and config only)."""
     path = Path(checkpoint)
     config = CheckpointConfig.read(path)
-    tokenizer, raw = load_tokenizer(path, config)
+    tokenizer, _ = load_tokenizer(path, config)
     device = ", ".join(url.rstrip("/") for url in options.upstreams)
     info = ReaderInfo(model=options.served_name or path.name, engine="remote", device=f"vLLM at {device}",
                       tiny=options.tiny, canvas_length=options.canvas_length, checkpoint=str(path))
-    return RemoteReader(tokenizer, raw, (config.image_id, config.boi_id, config.eoi_id), info, options)
+    return RemoteReader(tokenizer, (config.image_id, config.boi_id, config.eoi_id), info, options)

@@ -141,7 +141,7 @@ def test_collapse_images_puts_one_placeholder_back_per_image():
 @pytest.fixture(scope="module")
 def former(tiny_dir):
     tokenizer, raw = load_tokenizer(tiny_dir, CheckpointConfig.read(tiny_dir))
-    return tokenizer, ChatFormer(raw, tokenizer.image_placeholder_id)
+    return tokenizer, ChatFormer(tokenizer, tokenizer.image_placeholder_id)
 
 
 @pytest.mark.parametrize("thinking", [False, True])
@@ -253,7 +253,7 @@ def test_engine_remote_is_built_from_the_settings(tiny_dir):
 
 def test_the_template_is_rendered_once_per_shape(tiny_dir, monkeypatch):
     tokenizer, raw = load_tokenizer(tiny_dir, CheckpointConfig.read(tiny_dir))
-    chat = ChatFormer(raw, tokenizer.image_placeholder_id)
+    chat = ChatFormer(tokenizer, tokenizer.image_placeholder_id)
     states = ("a photo of a cat", " padded <turn|> state \n", "a dog")
     prompts = [Prompt(tuple(tokenizer.render_chat("Question q1: is it?", state, 1, False))) for state in states]
     calls = []
@@ -274,7 +274,7 @@ def test_the_template_is_rendered_once_per_shape(tiny_dir, monkeypatch):
 def test_a_template_that_changes_the_texts_is_rendered_in_full(tiny_dir):
     tokenizer, raw = load_tokenizer(tiny_dir, CheckpointConfig.read(tiny_dir))
     raw.chat_template = raw.chat_template.replace("{{ message['content'] }}", "{{ message['content'] | trim }}")
-    chat = ChatFormer(raw, tokenizer.image_placeholder_id)
+    chat = ChatFormer(tokenizer, tokenizer.image_placeholder_id)
     form = ChatForm(({"role": "system", "content": "rules"}, {"role": "user", "content": "  spaced  "}), False, False)
     assert chat.render(form) == chat._render_template(form)
     assert "spaced<turn|>" in chat.render(form)
