@@ -267,10 +267,10 @@ def stat_delta(reader: Any, before: dict, name: str) -> float:
 
 
 async def level(decider: Any, reader: Any, args: argparse.Namespace, clients: int, seeds: tuple[int, int],
-                label: str = "") -> dict[str, Any]:
-    """One closed-loop level: a warm-up of up to 2 s (the first seed), then `--seconds` measured (the
-    second); its point, printed after `label`."""
-    await closed_loop(decider, reader, clients, min(2.0, args.seconds), seed=seeds[0])
+                label: str = "", warmup_s: float = 2.0) -> dict[str, Any]:
+    """One closed-loop level: a warm-up of up to `warmup_s` (the first seed), then `--seconds`
+    measured (the second); its point, printed after `label`."""
+    await closed_loop(decider, reader, clients, min(warmup_s, args.seconds), seed=seeds[0])
     point = await closed_loop(decider, reader, clients, args.seconds, seed=seeds[1])
     print(f"  {label}{clients} clients: {point['req_per_s']:.2f} req/s, p50 {point['p50_ms']:.0f} ms, "
           f"p95 {point['p95_ms']:.0f} ms, {point['canvases_per_pass']:.1f} canvases a pass; "
@@ -628,13 +628,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.levels = [int(level) for level in args.levels.split(",")]
-    args.think = [int(t) for t in args.think.split(",") if t.strip()]
-    args.gather_ms = [float(t) for t in args.gather_ms.split(",") if t.strip()]
-    args.gather_levels = [int(t) for t in args.gather_levels.split(",") if t.strip()]
-    args.unshared_levels = [int(t) for t in args.unshared_levels.split(",") if t.strip()]
-    args.eager_tokens = [int(t) for t in args.eager_tokens.split(",") if t.strip()]
-    args.eager_levels = [int(t) for t in args.eager_levels.split(",") if t.strip()]
-    args.grid_prompts = [int(t) for t in args.grid_prompts.split(",") if t.strip()]
+    for name in ("think", "gather_ms", "gather_levels", "unshared_levels", "eager_tokens", "eager_levels",
+                 "grid_prompts"):  # comma lists, empty for none
+        kind = float if name == "gather_ms" else int
+        setattr(args, name, [kind(t) for t in getattr(args, name).split(",") if t.strip()])
     if not args.tiny and not args.device.startswith("cuda"):
         parser.error("the full-size model needs a GPU; use --tiny to check the script on a CPU")
     if args.out is None and os.environ.get("OUT"):
@@ -672,12 +669,11 @@ async def turnaround(args: argparse.Namespace) -> dict[str, Any]:
     try:
         decider = Decider(reader, settings.read_settings)
         for clients in args.levels:
-            await closed_loop(decider, reader, clients, min(1.0, args.seconds), seed=clients + 1000)
-            point = await closed_loop(decider, reader, clients, args.seconds, seed=clients)
+            point = await level(decider, reader, args, clients, (clients + 1000, clients), "instant engine, ",
+                                warmup_s=1.0)
             point["ms_a_decision"] = 1000 / point["req_per_s"]
             points.append(point)
-            print(f"  {clients} clients, instant engine: {point['req_per_s']:.0f} req/s (Decider.decide calls), "
-                  f"{point['ms_a_decision']:.3f} ms of the decision's own work each; batches {point['timeline']}",
+            print(f"    {point['ms_a_decision']:.3f} ms of the decision's own work each (Decider.decide calls)",
                   flush=True)
     finally:
         await reader.stop()

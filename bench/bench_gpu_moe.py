@@ -130,22 +130,15 @@ def main() -> None:
                         lambda: kernels(x, index, weights))
         print(f"  tokens {tokens:6d}  kernels / grouped_mm: {fused['ms'] / base['ms']:.2f}x", flush=True)
         if args.sweep:
-            for values in SWEEP:
-                config = fused_moe.BlockConfig(*values)
-                if config == chosen_config:
-                    continue
-                try:
-                    measure(f"  sweep {values}", lambda c=config: kernels(x, index, weights, c))
-                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: reported, not fatal
-                    print(f"  tokens {tokens:6d}  sweep {values}: failed {type(exc).__name__}: {exc}"[:200], flush=True)
+            tries = [(f"sweep {values}", fused_moe.BlockConfig(*values), None) for values in SWEEP
+                     if fused_moe.BlockConfig(*values) != chosen_config]
             if chosen_config == fused_moe.LARGE:
-                for values in DOWN_SWEEP:
-                    config = fused_moe.BlockConfig(*values)
-                    try:
-                        measure(f"  down {values}", lambda c=config: kernels(x, index, weights, chosen_config, c))
-                    except Exception as exc:  # noqa: BLE001
-                        print(f"  tokens {tokens:6d}  down {values}: failed {type(exc).__name__}: {exc}"[:200],
-                              flush=True)
+                tries += [(f"down {values}", chosen_config, fused_moe.BlockConfig(*values)) for values in DOWN_SWEEP]
+            for label, config, down in tries:
+                try:
+                    measure(f"  {label}", lambda c=config, d=down: kernels(x, index, weights, c, d))
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: reported, not fatal
+                    print(f"  tokens {tokens:6d}  {label}: failed {type(exc).__name__}: {exc}"[:200], flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -158,12 +158,11 @@ def check_prefix(runner) -> None:
         one_by_one = [both.read([spec])[0] for spec in reads[1:]]
         whole_static = [whole.read([spec])[0] for spec in reads[1:]]
         replayed = [graphed.read([spec])[0] for spec in reads[1:]]
-        prefix = max(len(ids) for ids, _ in static.prefixes._items.values() if ids == reads[1].prompt.ids[:len(ids)])
-        label = f"  over a {prefix}-token prefix,"
         # The prefix's KV (sliced from the sheet's first prompt, encoded whole on the static path)
         # against the eager encoder's: token rows off by > 1e-2 are the random routers' flips.
         (prefix_ids, prefix_kv), = [(ids, kv) for ids, kv in static.prefixes._items.values()
                                     if ids == reads[1].prompt.ids[:len(ids)]]
+        label = f"  over a {len(prefix_ids)}-token prefix,"
         rows = [(a[0] - b[0]).abs().amax(dim=(0, 1, 3))
                 for a, b in zip(plain.encode(Prompt(prefix_ids)).layers, prefix_kv.layers)]
         print(label, "prefix KV vs eager  ", f"largest {max(float(r.max()) for r in rows):.2e}; token rows off by "

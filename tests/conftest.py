@@ -30,6 +30,13 @@ def make_tiny_reader(tiny_dir: Path, **settings):
     return load_hf_reader(tiny_dir, hf_options(Settings(device="cpu", **settings), TINY_MODEL_NAME, tiny=True))
 
 
+@pytest.fixture(scope="module")
+def eager_runner(tiny_dir: Path):
+    """The tiny model's runner as the CPU server has it: no encoder graphs, every prompt encoded
+    eagerly (what the graph and prefix paths are checked against)."""
+    return make_tiny_reader(tiny_dir).runner
+
+
 @pytest.fixture
 def tiny_reader(tiny_dir: Path):
     return make_tiny_reader(tiny_dir)

@@ -57,8 +57,9 @@ def kernel_cases() -> list[dict]:
             index = torch.stack([torch.randperm(choices, generator=generator)[:top_k] for _ in range(tokens)])
             weights = torch.rand(tokens, top_k, generator=generator)
             want = exact(x, index, weights, gate_up, down)
-            got = fused_moe.weighted_sum(fused_moe.expert_rows(x, index, gate_up, down), weights)
-            library = grouped_mm_experts_forward(Experts(gate_up, down), x, index, weights)
+            module = Experts(gate_up, down)
+            got = fused_moe.experts_forward(module, x, index, weights)
+            library = grouped_mm_experts_forward(module, x, index, weights)
             results.append({
                 "case": name, "dtype": str(dtype).removeprefix("torch."), "block_m": config.block_m,
                 "shape": list(got.shape), "out_dtype": str(got.dtype).removeprefix("torch."),

@@ -4,7 +4,6 @@ gets, where its KV comes from, and that the whole prompt's KV equals the eager e
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from app.engine.base import Prompt
@@ -27,13 +26,6 @@ def prefixed_runner(tiny_dir, **options):
 
 def sheet_prompt(tokenizer, state: str, sheet: str = SHEET) -> Prompt:
     return Prompt(tuple(tokenizer.render_chat(sheet, state, 0, False)))
-
-
-@pytest.fixture(scope="module")
-def eager(tiny_dir):
-    from tests.conftest import make_tiny_reader
-
-    return make_tiny_reader(tiny_dir).runner
 
 
 def shared_length(a: Prompt, b: Prompt) -> int:
@@ -85,7 +77,7 @@ def test_a_pass_over_a_prefix_takes_slots_from_the_buckets_and_must_fit_the_wind
 # ---------------------------------------------------------------------- encoding over a prefix
 
 @torch.no_grad()
-def test_prompts_that_share_a_sheet_are_encoded_over_its_prefix_and_equal_the_eager_encoder(tiny_dir, eager,
+def test_prompts_that_share_a_sheet_are_encoded_over_its_prefix_and_equal_the_eager_encoder(tiny_dir, eager_runner,
                                                                                             tokenizer):
     runner = prefixed_runner(tiny_dir)
     first = sheet_prompt(tokenizer, "my invoice is wrong")
@@ -99,19 +91,19 @@ def test_prompts_that_share_a_sheet_are_encoded_over_its_prefix_and_equal_the_ea
     assert runner.stats["prefix_hits"] == 2 and len(runner.prefixes) == 1
     for prompt, encoded in zip(later, together):
         assert encoded.length == len(prompt.ids)
-        assert_same_kv(eager.encode_many([prompt])[0], encoded)
+        assert_same_kv(eager_runner.encode_many([prompt])[0], encoded)
     (ids, prefix), = runner.prefixes._items.values()
     assert len(ids) % 4 == 0 and len(ids) <= shared_length(first, later[0]) and prefix.length == len(ids)
-    assert_same_kv(eager.encode_many([Prompt(ids)])[0], prefix)
+    assert_same_kv(eager_runner.encode_many([Prompt(ids)])[0], prefix)
     passes = runner.stats["encoder_passes"]
     again = sheet_prompt(tokenizer, "the export is slow")  # the cached prefix: one pass, nothing new
-    assert_same_kv(eager.encode_many([again])[0], runner.encode_many([again])[0])
+    assert_same_kv(eager_runner.encode_many([again])[0], runner.encode_many([again])[0])
     assert runner.stats["prefix_hits"] == 3 and runner.stats["encoder_passes"] == passes + 1
     assert runner.stats["prefixes_sliced"] == 1 and len(runner.prefixes) == 1
 
 
 @torch.no_grad()
-def test_a_prefix_whose_first_prompt_left_the_lru_is_encoded_once(tiny_dir, eager, tokenizer):
+def test_a_prefix_whose_first_prompt_left_the_lru_is_encoded_once(tiny_dir, eager_runner, tokenizer):
     runner = prefixed_runner(tiny_dir)
     runner.prompts = PromptCache(1)
     runner.encode_many([sheet_prompt(tokenizer, "first state")])
@@ -119,22 +111,22 @@ def test_a_prefix_whose_first_prompt_left_the_lru_is_encoded_once(tiny_dir, eage
     prompt = sheet_prompt(tokenizer, "second state here")
     encoded = runner.encode_many([prompt])[0]
     assert runner.stats["prefixes_encoded"] == 1 and runner.stats["prefix_hits"] == 1
-    assert_same_kv(eager.encode_many([prompt])[0], encoded)
+    assert_same_kv(eager_runner.encode_many([prompt])[0], encoded)
 
 
 @torch.no_grad()
-def test_a_large_batch_over_a_prefix_runs_unbucketed_and_equals_the_eager_encoder(tiny_dir, eager, tokenizer):
+def test_a_large_batch_over_a_prefix_runs_unbucketed_and_equals_the_eager_encoder(tiny_dir, eager_runner, tokenizer):
     runner = prefixed_runner(tiny_dir, eager_tokens=32)
     runner.encode_many([sheet_prompt(tokenizer, "seed")])
     prompts = [sheet_prompt(tokenizer, state) for state in ("one two", "three four five six", "seven")]
     together = runner.encode_many(prompts)
     assert runner.stats["prefix_hits"] == 3 and runner.stats["encoder_unbucketed_passes"] >= 1
     for prompt, encoded in zip(prompts, together):
-        assert_same_kv(eager.encode_many([prompt])[0], encoded)
+        assert_same_kv(eager_runner.encode_many([prompt])[0], encoded)
 
 
 @torch.no_grad()
-def test_prompts_a_prefix_pass_cannot_hold_are_encoded_whole(tiny_dir, eager, tokenizer):
+def test_prompts_a_prefix_pass_cannot_hold_are_encoded_whole(tiny_dir, eager_runner, tokenizer):
     runner = prefixed_runner(tiny_dir)
     runner.encode_many([sheet_prompt(tokenizer, "seed")])
     long_state = " ".join(f"w{i}" for i in range(40))  # prefix slots + its rest: past the window
@@ -142,14 +134,14 @@ def test_prompts_a_prefix_pass_cannot_hold_are_encoded_whole(tiny_dir, eager, to
     encoded = runner.encode_many([prompt])[0]
     assert "prefix_hits" not in runner.stats
     assert "prefixes_sliced" not in runner.stats and "prefixes_encoded" not in runner.stats  # none made for it
-    assert_same_kv(eager.encode_many([prompt])[0], encoded)
+    assert_same_kv(eager_runner.encode_many([prompt])[0], encoded)
 
 
 @torch.no_grad()
-def test_without_encoder_graphs_or_an_lru_nothing_is_encoded_over_a_prefix(tiny_dir, eager, tokenizer):
+def test_without_encoder_graphs_or_an_lru_nothing_is_encoded_over_a_prefix(tiny_dir, eager_runner, tokenizer):
     prompts = [sheet_prompt(tokenizer, "one"), sheet_prompt(tokenizer, "two")]
-    eager.encode_many(prompts)  # the CPU runner: no encoder graphs, no static path
-    assert "prefix_hits" not in eager.stats and len(eager.prefixes) == 0
+    eager_runner.encode_many(prompts)  # the CPU runner: no encoder graphs, no static path
+    assert "prefix_hits" not in eager_runner.stats and len(eager_runner.prefixes) == 0
     runner = prefixed_runner(tiny_dir)
     runner.prefixes = PromptCache(0)  # KV_CACHE_ENTRIES=0 turns the LRUs off
     runner.encode_many(prompts)
@@ -157,7 +149,7 @@ def test_without_encoder_graphs_or_an_lru_nothing_is_encoded_over_a_prefix(tiny_
 
 
 @torch.no_grad()
-def test_reads_over_a_prefix_equal_reads_of_the_whole_prompt(tiny_dir, eager, tokenizer):
+def test_reads_over_a_prefix_equal_reads_of_the_whole_prompt(tiny_dir, eager_runner, tokenizer):
     """The decoder reads what the encoder left: a read whose prompt was encoded over a prefix gives
     the same slot logprobs as the eager runner's."""
     from app.engine.base import ReadSpec
@@ -167,7 +159,7 @@ def test_reads_over_a_prefix_equal_reads_of_the_whole_prompt(tiny_dir, eager, to
     prompt = sheet_prompt(tokenizer, "the site is down")
     yes, no = tokenizer.encode("yes")[0], tokenizer.encode("no")[0]
     spec = ReadSpec(prompt, ((tokenizer.pad_id,) * 4,), (1,), ((yes, no),))
-    a, = eager.read([spec])
+    a, = eager_runner.read([spec])
     b, = runner.read([spec])
     assert runner.stats["prefix_hits"] == 1
     assert a.prompt_tokens == b.prompt_tokens == len(prompt.ids)
@@ -177,7 +169,7 @@ def test_reads_over_a_prefix_equal_reads_of_the_whole_prompt(tiny_dir, eager, to
 
 
 @torch.no_grad()
-def test_a_longer_prefix_is_made_only_where_it_saves_a_minimum_more(tiny_dir, eager, tokenizer):
+def test_a_longer_prefix_is_made_only_where_it_saves_a_minimum_more(tiny_dir, eager_runner, tokenizer):
     runner = prefixed_runner(tiny_dir)
     runner.encode_many([sheet_prompt(tokenizer, "seed"), sheet_prompt(tokenizer, "sprout")])
     (sheet_ids, _), = runner.prefixes._items.values()
@@ -195,21 +187,21 @@ def test_a_longer_prefix_is_made_only_where_it_saves_a_minimum_more(tiny_dir, ea
     assert len(runner.prefixes) == 2 and runner.stats["prefixes_sliced"] == 2
     longest = max(len(ids) for ids, _ in runner.prefixes._items.values())
     assert longest - len(sheet_ids) >= 8
-    assert_same_kv(eager.encode_many([repeated[1]])[0], encoded)
+    assert_same_kv(eager_runner.encode_many([repeated[1]])[0], encoded)
 
 
 @torch.no_grad()
-def test_a_sheet_and_its_followers_in_one_call_equal_the_eager_encoder(tiny_dir, eager, tokenizer):
+def test_a_sheet_and_its_followers_in_one_call_equal_the_eager_encoder(tiny_dir, eager_runner, tokenizer):
     runner = prefixed_runner(tiny_dir)
     prompts = [sheet_prompt(tokenizer, state) for state in ("first one", "the second", "and a third")]
     together = runner.encode_many(prompts)  # the first whole; the others over a prefix sliced from it
     assert runner.stats["prefixes_sliced"] == 1 and runner.stats["prefix_hits"] == 2
     for prompt, encoded in zip(prompts, together):
-        assert_same_kv(eager.encode_many([prompt])[0], encoded)
+        assert_same_kv(eager_runner.encode_many([prompt])[0], encoded)
 
 
 @torch.no_grad()
-def test_a_prefix_right_aligned_in_its_slots_never_reads_the_slots_before_it(tiny_dir, eager, tokenizer):
+def test_a_prefix_right_aligned_in_its_slots_never_reads_the_slots_before_it(tiny_dir, eager_runner, tokenizer):
     runner = prefixed_runner(tiny_dir)
     seed = sheet_prompt(tokenizer, "seed", UNALIGNED)
     prompts = [sheet_prompt(tokenizer, state, UNALIGNED) for state in ("my invoice is wrong", "refund please")]
@@ -222,11 +214,11 @@ def test_a_prefix_right_aligned_in_its_slots_never_reads_the_slots_before_it(tin
     together = runner.encode_many(prompts)
     assert runner.stats["prefix_hits"] == 2
     for prompt, encoded in zip(prompts, together):
-        assert_same_kv(eager.encode_many([prompt])[0], encoded)
+        assert_same_kv(eager_runner.encode_many([prompt])[0], encoded)
 
 
 @torch.no_grad()
-def test_a_prefix_is_not_sliced_from_a_prompt_whose_sliding_layers_were_cropped(tiny_dir, eager, tokenizer):
+def test_a_prefix_is_not_sliced_from_a_prompt_whose_sliding_layers_were_cropped(tiny_dir, eager_runner, tokenizer):
     runner = prefixed_runner(tiny_dir)
     long_prompt = sheet_prompt(tokenizer, " ".join(f"w{i}" for i in range(20)))
     assert len(long_prompt.ids) >= 64  # its KV in the LRU keeps only the window's last 63 tokens
@@ -234,11 +226,11 @@ def test_a_prefix_is_not_sliced_from_a_prompt_whose_sliding_layers_were_cropped(
     prompt = sheet_prompt(tokenizer, "a short one")
     encoded = runner.encode_many([prompt])[0]
     assert runner.stats["prefixes_encoded"] == 1 and "prefixes_sliced" not in runner.stats
-    assert_same_kv(eager.encode_many([prompt])[0], encoded)
+    assert_same_kv(eager_runner.encode_many([prompt])[0], encoded)
 
 
 @torch.no_grad()
-def test_suffixes_the_static_path_turns_down_are_encoded_whole(tiny_dir, eager, tokenizer, monkeypatch):
+def test_suffixes_the_static_path_turns_down_are_encoded_whole(tiny_dir, eager_runner, tokenizer, monkeypatch):
     runner = prefixed_runner(tiny_dir)
     graphs = runner.encoder_graphs
     real = graphs.encode_ids
@@ -247,11 +239,11 @@ def test_suffixes_the_static_path_turns_down_are_encoded_whole(tiny_dir, eager, 
     together = runner.encode_many(prompts)
     assert "prefix_hits" not in runner.stats and runner.stats["kv_misses"] == 3
     for prompt, encoded in zip(prompts, together):
-        assert_same_kv(eager.encode_many([prompt])[0], encoded)
+        assert_same_kv(eager_runner.encode_many([prompt])[0], encoded)
 
 
 @torch.no_grad()
-def test_prompts_whose_prefix_hashes_collide_are_never_given_each_others_kv(tiny_dir, eager, tokenizer):
+def test_prompts_whose_prefix_hashes_collide_are_never_given_each_others_kv(tiny_dir, eager_runner, tokenizer):
     runner = prefixed_runner(tiny_dir)
     index = runner.prefix_index
     index.hashes = lambda ids: list(range(1, (len(ids) - 1) // index.block + 1))  # every prompt's k-th hash is k
@@ -268,4 +260,4 @@ def test_prompts_whose_prefix_hashes_collide_are_never_given_each_others_kv(tiny
     assert len(pair[0].ids) == len(pair[1].ids) and pair[0].ids[:20] != pair[1].ids[:20]
     together = runner.encode_many(pair)
     for prompt, encoded in zip([b, c, *pair], results + together):
-        assert_same_kv(eager.encode_many([prompt])[0], encoded)
+        assert_same_kv(eager_runner.encode_many([prompt])[0], encoded)

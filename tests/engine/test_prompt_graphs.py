@@ -27,8 +27,8 @@ def graphed_runner(tiny_dir, **options):
 
 
 @pytest.fixture(scope="module")
-def runners(tiny_dir):
-    return make_tiny_reader(tiny_dir).runner, graphed_runner(tiny_dir)
+def runners(tiny_dir, eager_runner):
+    return eager_runner, graphed_runner(tiny_dir)
 
 
 def text_prompt(tokenizer, words: int, tag: str) -> Prompt:

@@ -5,7 +5,6 @@ generation, cancelled work is never run, failures reach exactly the callers they
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 from collections import Counter
@@ -73,8 +72,9 @@ class FakeRunner:
         return None
 
 
-def make_reader(runner: FakeRunner, max_rows: int = 64) -> HFReader:
-    options = HFOptions(device="cpu", max_prompt_tokens=100, kv_cache_entries=0, max_batch_rows=max_rows, gather_ms=0,
+def make_reader(runner: FakeRunner, max_rows: int = 64, gather_ms: float = 0) -> HFReader:
+    options = HFOptions(device="cpu", max_prompt_tokens=100, kv_cache_entries=0, max_batch_rows=max_rows,
+                        gather_ms=gather_ms,
                         queue_limit=64, served_name="fake", canvas_length=16, tiny=True, torch_threads=0,
                         cuda_graphs=False)
     info = ReaderInfo(model="fake", engine="hf", device="cpu", tiny=True, canvas_length=16)
@@ -200,8 +200,7 @@ def after_a_busy_batch(gather_ms: float, second_round) -> tuple[list, float]:
     """Reads 1, 2 and 3 as one busy batch, then `second_round(reader)`: the batches read, and the
     seconds the second round took."""
     runner = FakeRunner(delay=0.05)
-    reader = make_reader(runner)
-    reader.options = dataclasses.replace(reader.options, gather_ms=gather_ms)
+    reader = make_reader(runner, gather_ms=gather_ms)
 
     async def scenario():
         await reader.start()
@@ -239,8 +238,7 @@ def test_the_gather_window_bounds_the_wait_for_callers_that_do_not_come_back():
 
 def test_under_load_a_batch_gathers_reads_that_arrive_just_after_it_is_formed():
     runner = FakeRunner(delay=0.05)
-    reader = make_reader(runner)
-    reader.options = dataclasses.replace(reader.options, gather_ms=40)
+    reader = make_reader(runner, gather_ms=40)
 
     async def scenario():
         await reader.start()
