@@ -120,7 +120,7 @@ def _gpu_available() -> bool:
 
 def hf_options(settings: Settings, served_name: str, tiny: bool):
     """The hf engine's options, from Settings (the one place defaults are defined)."""
-    from app.engine.hf import HFOptions
+    from app.engine.hf.reader import HFOptions
 
     return HFOptions(
         device=settings.device,
@@ -140,7 +140,7 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
 
 
 def remote_options(settings: Settings, served_name: str, tiny: bool):
-    from app.engine.vllm_remote import RemoteOptions
+    from app.engine.vllm.remote import RemoteOptions
 
     return RemoteOptions(
         upstreams=settings.upstream,
@@ -155,7 +155,7 @@ def remote_options(settings: Settings, served_name: str, tiny: bool):
 
 
 def vllm_options(settings: Settings, served_name: str, tiny: bool):
-    from app.engine.vllm_local import VLLMOptions
+    from app.engine.vllm.inprocess import VLLMOptions
 
     return VLLMOptions(
         device=settings.device,
@@ -181,17 +181,17 @@ def build_reader(settings: Settings):
     checkpoint, tiny = resolve_checkpoint(settings)
     served = settings.served_name or (TINY_MODEL_NAME if tiny else checkpoint.name)
     if settings.engine == "remote":
-        from app.engine.vllm_remote import load_remote_reader
+        from app.engine.vllm.remote import load_remote_reader
 
         return load_remote_reader(checkpoint, remote_options(settings, served, tiny))
     if settings.engine == "vllm":
-        from app.engine.vllm_local import load_vllm_reader
+        from app.engine.vllm.inprocess import load_vllm_reader
 
         try:
             return load_vllm_reader(checkpoint, vllm_options(settings, served, tiny))
         except ImportError as exc:  # vLLM missing: the message says what to install
             raise CheckpointError(str(exc)) from None
-    from app.engine.hf import load_hf_reader
+    from app.engine.hf.reader import load_hf_reader
 
     return load_hf_reader(checkpoint, hf_options(settings, served, tiny))
 

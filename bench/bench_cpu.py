@@ -23,8 +23,8 @@ Measured in ONE run, so the ratios compare numbers taken side by side on the sam
 (b) A concurrency curve: 1, 8, 32 closed-loop clients, each posting unique-state ticket decisions
     for --seconds per level. Reported: req/s, decisions/s (3 questions per request), p50/p95, and the
     engine's encoder and decoder passes per request from the server reader's counters: below 1 means
-    concurrent decisions shared passes (the batching loop in app/engine/hf.py, the batched prefill in
-    app/engine/diffusion.py). The clients run in a separate process so they do not share the
+    concurrent decisions shared passes (the batching loop in app/engine/hf/reader.py, the batched prefill in
+    app/engine/hf/runner.py). The clients run in a separate process so they do not share the
     server's GIL (they do share the CPU cores; see --torch-threads).
 
 Usage: python bench/bench_cpu.py [--seconds 10] [--levels 1,8,32] [--reads 150] [--server process|thread]

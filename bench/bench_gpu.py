@@ -3,7 +3,7 @@
 No checkpoint is needed: the model is built from the published config (google/diffusiongemma-26B-A4B-it: 30
 layers, hidden 2816, 16 heads, 128 experts top-8, ...) with random weights, in bf16 on CUDA with
 `experts_implementation="grouped_mm"`, and read through the engine's own DiffusionRunner
-(app/engine/diffusion.py) -- the code `djev serve` runs, minus the asyncio queue in front of it.
+(app/engine/hf/runner.py) -- the code `djev serve` runs, minus the asyncio queue in front of it.
 Random weights cost the same FLOPs and bytes as trained ones, so the timings hold for the real model.
 
 Cases (prompt: --prompt-tokens random ids, default 300; canvas: 32 wide with 3 answer slots):
@@ -15,7 +15,7 @@ Cases (prompt: --prompt-tokens random ids, default 300; canvas: 32 wide with 3 a
   (d) one decision with samples 4: one prompt, 4 canvases in one decoder pass.
 Each case: --warmup untimed calls (default 3), then the median (and p95) of --reps timed calls
 (default 15), with torch.cuda.synchronize() before and after each. "graphs" mode replays both the
-prompt encoding (app/engine/prompt_graphs.py) and the decoder pass (app/engine/graphs.py) as CUDA
+prompt encoding (app/engine/hf/graphs/encoder.py) and the decoder pass (app/engine/hf/graphs/decoder.py) as CUDA
 graphs. On CUDA the naive transformers baseline (bench/naive.py) runs first on the same model, and
 every case is printed beside its naive counterpart as a ratio (engine / naive).
 
@@ -140,7 +140,7 @@ def timed(call: Callable[[], Any], warmup: int, reps: int, runner: Any, sync: Ca
         call()
     sync()
     warmup_s = time.perf_counter() - warm_started  # includes graph captures (and compiles, mode "compiled")
-    from app.engine.hf import settle_heap
+    from app.engine.hf.reader import settle_heap
 
     settle_heap()  # as the server does once loaded and warmed up
     seconds: list[float] = []
@@ -162,7 +162,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from app.config import Settings
-    from app.engine.diffusion import DiffusionRunner
+    from app.engine.hf.runner import DiffusionRunner
 
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
@@ -194,13 +194,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for mode in args.modes:
         graphs = mode in ("graphs", "compiled", "fused")
         if mode == "fused":  # in place, after "compiled" (parse_args orders the modes)
-            from app.engine.fused_moe import use_fused_experts
+            from app.engine.hf.moe.fused import use_fused_experts
 
             reason = use_fused_experts(model)
             if reason is not None:
                 raise SystemExit(f"mode fused: {reason}")
         if mode in ("compiled", "fused") and not getattr(model, "djev_compiled", False):
-            from app.engine.compiled import compile_layers
+            from app.engine.hf.compiled import compile_layers
 
             compile_layers(model)
             model.djev_compiled = True

@@ -99,8 +99,8 @@ def build_reader(args: argparse.Namespace) -> Any:
     from app.cli import hf_options
     from app.config import Settings
     from app.engine.base import ReaderInfo
-    from app.engine.diffusion import DiffusionRunner
-    from app.engine.hf import HFReader
+    from app.engine.hf.runner import DiffusionRunner
+    from app.engine.hf.reader import HFReader
     from app.engine.tiny import build_config as tiny_config
     from app.engine.tiny import build_tokenizer
     from app.engine.tokenizer import HFChatTokenizer
@@ -222,7 +222,7 @@ def breakdown(runner: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str
     import torch
 
     from app.engine.base import GenerateSpec, ImageInput, Prompt
-    from app.engine.prompts import EncodedPrompt
+    from app.engine.hf.prompts import EncodedPrompt
 
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     stages: dict[str, list[float]] = {}
@@ -309,7 +309,7 @@ async def gather_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> l
 
 
 async def eager_tokens_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Where the encoder's large passes stop being graphed (EAGER_TOKENS in app/engine/prompt_graphs.py)
+    """Where the encoder's large passes stop being graphed (EAGER_TOKENS in app/engine/hf/graphs/encoder.py)
     chosen by measurement: the closed loop at `--eager-levels` clients for each threshold of
     `--eager-tokens`; the runner's own threshold is restored."""
     graphs = reader.runner.encoder_graphs
@@ -330,7 +330,7 @@ async def eager_tokens_sweep(decider: Any, reader: Any, args: argparse.Namespace
 async def unshared(decider: Any, reader: Any, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     """The same decisions with every prompt encoded whole (no shared prefix: the prefix LRU off), for
     the ratio: one new-state decision and the closed loop at `--unshared-levels`."""
-    from app.engine.prompts import PromptCache
+    from app.engine.hf.prompts import PromptCache
 
     if not args.unshared_levels:
         return {}
@@ -355,7 +355,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from app.decisions.run import Decider
     from app.engine.base import ImageInput
-    from app.engine.hf import settle_heap
+    from app.engine.hf.reader import settle_heap
 
     started = time.perf_counter()
     reader, settings, model = build_reader(args)
@@ -375,13 +375,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"  naive prompt {n}: failed: {exc!r}"[:300], flush=True)
                     torch.cuda.empty_cache()
     if args.fused_moe:  # after the naive baseline too
-        from app.engine.fused_moe import use_fused_experts
+        from app.engine.hf.moe.fused import use_fused_experts
 
         reason = use_fused_experts(model)
         print(f"  experts: {'djev Triton kernels' if reason is None else 'grouped_mm: ' + reason}", flush=True)
         results["fused_moe"] = reason is None
     if args.compile:  # after the naive baseline, which is the library's plain path
-        from app.engine.compiled import compile_layers
+        from app.engine.hf.compiled import compile_layers
 
         compile_layers(model)
     await reader.start()

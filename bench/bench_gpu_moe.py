@@ -1,5 +1,5 @@
 """One layer's experts on the GPU: transformers' grouped_mm (compiled, as TORCH_COMPILE runs it) vs
-djev's Triton kernels (app/engine/fused_moe.py), each replayed as a CUDA graph, at the token counts
+djev's Triton kernels (app/engine/hf/moe/fused.py), each replayed as a CUDA graph, at the token counts
 the engine sees: one canvas (32 tokens), 8 and 32 canvases, one prompt, 32 prompts.
 
 The full model's experts (128 x top-8, hidden 2816, expert FFN 704, bf16) with a uniform random
@@ -79,7 +79,7 @@ def main() -> None:
     import torch
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    from app.engine import fused_moe
+    from app.engine.hf.moe import fused as fused_moe
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="32,256,1024,4096,10240")

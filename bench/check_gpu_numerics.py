@@ -16,7 +16,7 @@ static path.
     python bench/check_gpu_numerics.py --fused-moe  # every path through the experts' Triton kernels
                                                     # (FUSED_MOE), and those reads against grouped_mm's
     python bench/check_gpu_numerics.py --split      # every path through the split layer forward that
-                                                    # TORCH_COMPILE compiles (app/engine/layers.py, run
+                                                    # TORCH_COMPILE compiles (app/engine/hf/layers.py, run
                                                     # eagerly here), and those reads against the library's
 """
 
@@ -42,9 +42,9 @@ def main() -> None:
     import torch
     from transformers import DiffusionGemmaConfig
 
-    from app.engine.diffusion import DiffusionRunner
-    from app.engine.graphs import DecoderGraphs
-    from app.engine.prompt_graphs import EncoderGraphs
+    from app.engine.hf.runner import DiffusionRunner
+    from app.engine.hf.graphs.decoder import DecoderGraphs
+    from app.engine.hf.graphs.encoder import EncoderGraphs
 
     device = torch.device("cuda")
     fused = "--fused-moe" in sys.argv[1:]
@@ -72,7 +72,7 @@ def main() -> None:
         plain = runner()
         alone = [plain.read([spec])[0] for spec in reads]
         if fused:
-            from app.engine.fused_moe import use_fused_experts
+            from app.engine.hf.moe.fused import use_fused_experts
 
             grouped_alone, reason = alone, use_fused_experts(model)
             if reason is not None:
@@ -82,8 +82,8 @@ def main() -> None:
             print(f"{layers} layers, {str(dtype).replace('torch.', '')}: experts as djev's Triton kernels")
             print("  kernels vs grouped_mm, alone    ", [largest_difference(a, b) for a, b in zip(grouped_alone, alone)])
         if split:
-            from app.engine.compiled import model_layers
-            from app.engine.layers import install
+            from app.engine.hf.compiled import model_layers
+            from app.engine.hf.layers import install
 
             library_alone = alone
             install(model_layers(model))
@@ -134,7 +134,7 @@ def check_prefix(runner) -> None:
     import dataclasses
 
     from app.engine.base import Prompt
-    from app.engine.prompts import PromptCache
+    from app.engine.hf.prompts import PromptCache
 
     def sheet_reads(tokens: int, seed: int) -> list:
         sheet = Specs(262144, tokens, seed=seed).ids(tokens)
@@ -178,7 +178,7 @@ def check_prefix(runner) -> None:
 
 
 def check_vision(model, device) -> None:
-    """The vision graph path (app/engine/vision_graphs.py) against the library's forward, eager
+    """The vision graph path (app/engine/hf/graphs/vision.py) against the library's forward, eager
     (static) and replayed, on three new 512x384 frames at once (a 4-image bucket with padding)."""
     import io
 
@@ -186,7 +186,7 @@ def check_vision(model, device) -> None:
     from PIL import Image, ImageDraw
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    from app.engine.vision_graphs import VisionGraphs
+    from app.engine.hf.graphs.vision import VisionGraphs
 
     pictures = []
     for n in range(3):

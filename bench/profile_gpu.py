@@ -25,16 +25,16 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from app.engine.base import GenerateSpec
-    from app.engine.diffusion import DiffusionRunner
+    from app.engine.hf.runner import DiffusionRunner
 
     device = torch.device("cuda")
     model = build_model(build_config(False), "cuda", torch.bfloat16, "grouped_mm")
     if "--fused-moe" in sys.argv[1:]:
-        from app.engine.fused_moe import use_fused_experts
+        from app.engine.hf.moe.fused import use_fused_experts
 
         print("experts:", use_fused_experts(model) or "djev Triton kernels", flush=True)
     if "--compile" in sys.argv[1:]:
-        from app.engine.compiled import compile_layers
+        from app.engine.hf.compiled import compile_layers
 
         compile_layers(model)
     runner = DiffusionRunner(model, None, device=device, max_prompt_tokens=32768, kv_entries=64, max_rows=64,

@@ -184,7 +184,7 @@ def build_generation_config(tokenizer):
         EntropyBoundSamplerConfig,
     )
 
-    from app.engine.diffusion import GENERATION_DEFAULTS
+    from app.engine.hf.runner import GENERATION_DEFAULTS
 
     sampler = dict(GENERATION_DEFAULTS)
     entropy_bound = sampler.pop("entropy_bound")

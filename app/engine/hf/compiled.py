@@ -1,0 +1,127 @@
+"""The model's layers compiled with torch.compile (TORCH_COMPILE), under the CUDA graphs.
+
+A CUDA graph removes launch overhead but replays every kernel eager PyTorch launched: in one
+DiffusionGemma layer that is about a hundred small elementwise and reduction kernels (ten RMS norms
+of eight kernels each, the rotary embedding, the router's softmax and top-k arithmetic, the
+experts' weighted sum, the residuals) around the few large ones. Compiling fuses
+them into a few generated kernels; the graphs then capture the compiled kernels as they captured
+the eager ones (the warm-up calls before each capture are where a new shape compiles).
+
+What is compiled: each layer's forward split in three (app/engine/hf/layers.py), the attention's
+inputs (norm, projections, q/k/v norms, rotary) and the feed-forward half (output projection,
+norms, residuals, MLP, router, experts) compiled, the cache and attention between them eager. Not
+the layer as a whole: a layer's forward indexes the KV cache by its own layer number, which
+torch.compile specialises on, so the 30 layers would compile 30 times over for every shape
+(minutes, measured: docs/benchmarks.md). The two compiled pieces read no layer number, so every
+layer shares one compiled body per piece, layer kind and shape; a dimension seen to change compiles
+once more as dynamic. The vision tower's encoder layers are compiled whole (they read no layer
+number either: one body for all of them). The embeddings and the masks stay eager.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("djev.engine")
+
+# Compiled variants torch keeps per piece before it runs that piece eagerly: (static, dynamic) x
+# two layer kinds x a few input layouts stays well inside it.
+RECOMPILE_LIMIT = 64
+
+
+def model_layers(model: Any) -> list[Any]:
+    """The prompt encoder's and the decoder's layers of a DiffusionGemma model."""
+    inner = model.model
+    return [*inner.encoder.language_model.layers, *inner.decoder.layers]
+
+
+def vision_layers(model: Any) -> list[Any]:
+    """The vision tower's encoder layers, or none for a model without one."""
+    tower = getattr(model.model.encoder, "vision_tower", None)
+    encoder = getattr(tower, "encoder", None)
+    return list(getattr(encoder, "layers", ()))
+
+
+def configure_thread() -> None:
+    """torch.compile's limits for the calling thread: torch keeps them per thread, so every thread
+    that runs the model calls this (HFReader's engine thread does, at its start). A compiled piece past
+    the recompile limit, or one that fails to compile, runs eagerly instead of failing the read."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch releases
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+    config.suppress_errors = True
+
+
+def compile_layers(model: Any, backend: str = "inductor") -> int:
+    """Give every text layer the split forward with its two pieces compiled (app/engine/hf/layers.py),
+    and every vision encoder layer its forward compiled; returns how many text layers. Configures
+    the calling thread (`configure_thread`); other threads that run the model must configure
+    themselves."""
+    import functools
+
+    import torch
+
+    from app.engine.hf.layers import install, install_vision
+
+    configure_thread()
+    layers = model_layers(model)
+    compiled = functools.partial(torch.compile, backend=backend, dynamic=None)
+    install(layers, compile=compiled)
+    vision = vision_layers(model)
+    install_vision(vision, compile=compiled)
+    log.info("torch.compile (%s) on the %d text layers' attention inputs and feed-forward halves and the %d "
+             "vision layers: each new shape compiles on first use", backend, len(layers), len(vision))
+    return len(layers)
+
+
+# The warm-up's batch sizes: the first read compiles each piece for its shapes, the second once more
+# as dynamic, which then serves every other size.
+WARM_UP_ROWS = (1, 2)
+
+
+def warm_up(runner: Any, canvas_length: int) -> float:
+    """Compile before the first request does: one text read at each of WARM_UP_ROWS batch sizes, through the runner's
+    own path, CUDA graphs included, and one read of an image when the runner reads images (the
+    vision layers compile there, not on a walker's first frame). Returns the seconds it took (about
+    50 s on an H200, measured); the prompt KV and vision features these reads leave in the LRUs are
+    dropped."""
+    import time
+
+    from app.engine.base import ImageInput, Prompt, ReadSpec
+
+    started = time.perf_counter()
+    width = max(4, canvas_length)
+    base = min(1000, runner.vocab_size // 4)  # ordinary text ids, clear of the special and image ids
+    for count in WARM_UP_ROWS:
+        specs = [ReadSpec(Prompt(tuple(range(base + 97 * row, base + 97 * row + 64 + 16 * row))),
+                          ((0,) * width,), (1,), ((base, base + 1),)) for row in range(count)]
+        _read_all(runner, specs)
+    if getattr(runner, "image_processor", None) is not None and vision_layers(runner.model):
+        ids = (*range(base, base + 32), int(runner.config.image_token_id))
+        picture = ImageInput(_grey_jpeg(), "image/jpeg", "warm-up")
+        _read_all(runner, [ReadSpec(Prompt(ids, (picture,)), ((0,) * width,), (1,), ((base, base + 1),))])
+    runner.clear_caches()
+    runner.stats.clear()  # the counters (and /metrics) start at the first request
+    return time.perf_counter() - started
+
+
+def _read_all(runner: Any, specs: list) -> None:
+    failed = [result for result in runner.read(specs) if isinstance(result, Exception)]
+    if failed:
+        raise RuntimeError(f"the warm-up read failed: {failed[0]}")
+
+
+def _grey_jpeg() -> bytes:
+    """A small grey JPEG: the image processor pads every picture to the same patch budget, so its
+    shapes are a camera frame's."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (128, 128, 128)).save(buffer, "JPEG")
+    return buffer.getvalue()

@@ -1,0 +1,187 @@
+"""Block-diffusion generation, step by step: the part of DiffusionRunner that writes thoughts and raw
+completions.
+
+A generation owns a KV cache of its own (the prompt, then every committed block). Each call of
+`step_generation` runs exactly one model pass, so the batching loop can put reads between any two:
+a denoise pass of the current block (decoder, self-conditioned after the first, through the decoder
+graphs when they are on), or, right after a block finished, that block's commit through the encoder
+(its own step). A block finishes when its argmax canvas is stable and confident, or at the step cap
+(random weights never stop early: every block takes all its passes).
+
+The sampler step is app/engine/hf/sampler.py's, shared with multi-step reads; `temperature` scales the
+checkpoint's t_max -> t_min schedule (0 = greedy: argmax everywhere, seed-independent), `top_p`
+keeps each position's nucleus.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from app.engine.base import EngineInputError, GenerateChunk, GenerateResult, GenerateSpec
+from app.engine.hf.prompts import EncodedPrompt, Preprocessed
+from app.engine.hf.sampler import sample_step, temperature_at
+
+
+class GenerationMixin:
+    """Generation for DiffusionRunner (which provides the model, the graphs, the stats and the
+    prompt encoding these methods use)."""
+
+    model: Any
+    graphs: Any
+    device: torch.device
+    vocab_size: int
+    generation: dict
+    stats: Any
+
+    @torch.no_grad()
+    def start_generation(
+        self, spec: GenerateSpec, canvas_length: int, preprocessed: Preprocessed | None = None,
+    ) -> "Generation":
+        """A generation ready to step: its prompt encoded into a KV cache of its own, which generation
+        extends block by block (a short text prompt is encoded like a read's, through the prompt LRU
+        or an encoder graph, and its KV loaded into that cache; see `_encode_into_cache`).
+        `preprocessed`: the prompt's images, already decoded off this thread (HFReader)."""
+        if not (math.isfinite(spec.temperature) and spec.temperature >= 0.0):
+            raise EngineInputError(f"temperature must be a number >= 0, got {spec.temperature}", param="temperature")
+        if not (math.isfinite(spec.top_p) and 0.0 < spec.top_p <= 1.0):
+            raise EngineInputError(f"top_p must be in (0, 1], got {spec.top_p}", param="top_p")
+        if spec.max_tokens < 0:
+            raise EngineInputError(f"max_tokens must be >= 0, got {spec.max_tokens}", param="max_tokens")
+        cache, length = self._encode_into_cache(spec.prompt, preprocessed)
+        # Greedy decoding owes nothing to the seed: its starting canvas comes from a fixed one.
+        generator = self._generator(spec.seed if spec.temperature > 0.0 else 0)
+        return Generation(spec=spec, canvas_length=canvas_length, cache=cache, length=length,
+                          prompt_tokens=length, generator=generator, stop=frozenset(spec.stop_ids))
+
+    @torch.no_grad()
+    def step_generation(self, gen: "Generation") -> GenerateChunk | None:
+        """Exactly one model pass of `gen`: a denoise pass of its current block, or, right after a
+        block finished, that block's commit through the encoder (its own step, returning None).
+        Returns a chunk when the pass committed tokens or ended the generation, else None."""
+        if gen.done:
+            raise RuntimeError("this generation has finished")
+        if gen.pending is not None:
+            self._commit(gen, gen.pending)
+            gen.pending = None
+            return None
+        remaining_tokens = gen.spec.max_tokens - len(gen.produced)
+        if remaining_tokens <= 0:  # max_tokens 0: nothing to run
+            gen.done = True
+            return GenerateChunk(ids=(), done=True, prompt_tokens=gen.prompt_tokens, passes=gen.passes)
+        if gen.block is None:
+            width = min(gen.canvas_length, max(16, 16 * math.ceil(remaining_tokens / 16)))
+            gen.block = self._new_block(gen, width)
+        block_ids = self._denoise_pass(gen, gen.block)
+        if block_ids is None:
+            return None
+        gen.block = None
+        cut = next((i for i, token in enumerate(block_ids) if token in gen.stop), None)
+        take = (block_ids if cut is None else block_ids[:cut])[:remaining_tokens]
+        gen.produced.extend(take)
+        stopped = cut is not None and cut < remaining_tokens
+        if stopped or len(gen.produced) >= gen.spec.max_tokens:
+            gen.done = True
+        else:
+            gen.pending = block_ids
+        return GenerateChunk(ids=tuple(take), done=gen.done, stopped=stopped, prompt_tokens=gen.prompt_tokens,
+                             passes=gen.passes)
+
+    @torch.no_grad()
+    def generate(self, spec: GenerateSpec, canvas_length: int) -> GenerateResult:
+        """Block diffusion: denoise a random canvas until stable and confident (or the step cap),
+        commit its argmax through the encoder, repeat; stop at a stop id or `max_tokens`."""
+        gen = self.start_generation(spec, canvas_length)
+        ids: list[int] = []
+        while True:
+            chunk = self.step_generation(gen)
+            if chunk is None:
+                continue
+            ids.extend(chunk.ids)
+            if chunk.done:
+                return GenerateResult(ids=tuple(ids), stopped=chunk.stopped, prompt_tokens=chunk.prompt_tokens,
+                                      passes=chunk.passes)
+
+    def _new_block(self, gen: "Generation", width: int) -> "_Block":
+        canvas = torch.randint(0, self.vocab_size, (1, width), generator=gen.generator, device=self.device)
+        positions = (gen.length + torch.arange(width, device=self.device)).unsqueeze(0)
+        steps = int(self.generation["max_denoising_steps"])
+        return _Block(canvas=canvas, positions=positions, steps=steps, remaining=steps)
+
+    def _denoise_pass(self, gen: "Generation", block: "_Block") -> list[int] | None:
+        """One decoder pass and sampler step over `block`; its argmax ids once it is stable and
+        confident or out of steps, else None."""
+        settings = self.generation
+        hidden = None
+        if self.graphs is not None:  # the read path's decoder graphs, over the generation's own cache
+            context = EncodedPrompt([(layer.keys, layer.values) for layer in gen.cache.layers], gen.length)
+            hidden = self.graphs.hidden([(context, block.canvas[0].tolist())], block.conditioning)
+            if hidden is not None:
+                self.stats["graph_replays"] += 1
+        if hidden is None:
+            hidden = self.model.model(
+                past_key_values=gen.cache,
+                decoder_input_ids=block.canvas,
+                decoder_position_ids=block.positions,
+                self_conditioning_logits=block.conditioning,
+            ).last_hidden_state
+        self.stats["decoder_passes"] += 1
+        self.stats["generation_passes"] += 1
+        gen.passes += 1
+        temperature = gen.spec.temperature * temperature_at(block.remaining, block.steps, settings["t_min"],
+                                                            settings["t_max"])
+        step = sample_step(self._logits(hidden)[0], temperature, top_p=gen.spec.top_p,
+                           entropy_bound=settings["entropy_bound"], vocab_size=self.vocab_size,
+                           generator=gen.generator)
+        block.canvas = step.tokens.unsqueeze(0)
+        block.conditioning = step.conditioning.unsqueeze(0).to(self.model.dtype)
+        block.remaining -= 1
+        stable_needed = int(settings["stability_threshold"]) + 1
+        block.history = (block.history + [step.argmax])[-stable_needed:]
+        finished = block.remaining == 0
+        if len(block.history) >= stable_needed and all(torch.equal(h, step.argmax) for h in block.history):
+            finished = finished or float(step.entropy.mean()) < settings["confidence_threshold"]
+        return [int(t) for t in step.argmax.tolist()] if finished else None
+
+    def _commit(self, gen: "Generation", block_ids: list[int]) -> None:
+        """Encode a finished block into the generation's cache: the next block reads it as prompt."""
+        width = len(block_ids)
+        ids = torch.tensor([block_ids], dtype=torch.long, device=self.device)
+        positions = (gen.length + torch.arange(width, device=self.device)).unsqueeze(0)
+        self.model.model.encoder(input_ids=ids, past_key_values=gen.cache, position_ids=positions)
+        self.stats["encoder_passes"] += 1
+        gen.length += width
+
+
+@dataclass
+class _Block:
+    """The block a generation is denoising."""
+
+    canvas: torch.Tensor  # [1, width] the current noisy canvas
+    positions: torch.Tensor  # [1, width]
+    steps: int  # the step cap (the temperature schedule runs over it)
+    remaining: int  # steps left, counting down
+    conditioning: torch.Tensor | None = None  # the previous pass's processed logits
+    history: list[torch.Tensor] = field(default_factory=list)  # the last argmax canvases
+
+
+@dataclass
+class Generation:
+    """A generation in flight, stepped by `DiffusionRunner.step_generation`. Dropping it frees its
+    cache; nothing else refers to it."""
+
+    spec: GenerateSpec
+    canvas_length: int
+    cache: Any  # the prompt's KV, then every committed block's
+    length: int  # tokens in `cache`
+    prompt_tokens: int
+    generator: torch.Generator
+    stop: frozenset[int]
+    produced: list[int] = field(default_factory=list)
+    passes: int = 0  # denoise passes so far
+    block: _Block | None = None
+    pending: list[int] | None = None  # a finished block's ids, committed by the next step
+    done: bool = False

@@ -1,0 +1,159 @@
+"""Each text layer's forward in three pieces, so that torch.compile (TORCH_COMPILE) fuses everything
+but the attention itself, and compiles it once for all 30 layers.
+
+A DiffusionGemma text layer (encoder or decoder) is: an RMS norm, the query/key/value projections
+with their norms and rotary embedding, attention over the KV cache, the output projection, and a
+feed-forward half (norms, the dense MLP, the router, the experts, two residual additions and the
+layer scalar). Compiled as a whole, a layer specialises on its own layer number (its attention
+indexes the cache with it), so every layer compiles again for every shape (minutes, measured:
+docs/benchmarks.md). Compiled as separate norm / MLP / router / experts modules, the elementwise
+work between them (rotary, residuals, reshapes: about 70 kernels a layer) stays eager.
+
+Here `install` gives every layer a forward of three calls:
+  1. `attention_inputs(layer, hidden, cos, sin)`: input norm, projections, q/k/v norms, rotary --
+     compiled;
+  2. the cache and attention, as the library's attention module does them (the encoder's
+     `past_key_values.update`, the decoder's `append_to_cache`, then the configured attention
+     function; under a mask, SDPA over grouped query heads, `grouped_attention`) -- eager, the
+     piece that needs the layer number;
+  3. `feed_forward(layer, attention_out, residual)`: output projection, post-attention norm and
+     residual, the MLP and the experts with their norms, the second residual and the layer scalar --
+     compiled.
+The compiled functions take the layer as an argument and read no layer number, so one compiled
+body per function, layer kind (sliding or full attention) and shape serves every layer.
+
+The arithmetic is the library's, op for op, in the same order, but for the masked attention of
+grouped query heads, which reads no repeated copy of the KV (`grouped_attention`: the same rows
+through SDPA, blocked differently). tests/engine/hf/test_compiled.py checks the split forward against
+the library's on the CPU (to fp32 rounding), and compiled against eager (exactly).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def attention_inputs(layer: Any, hidden_states: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values [batch, heads, tokens, head_dim] of a layer's attention."""
+    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import apply_rotary_pos_emb
+
+    attention = layer.self_attn
+    x = layer.input_layernorm(hidden_states)
+    shape = (*x.shape[:-1], -1, attention.head_dim)
+    queries = attention.q_norm(attention.q_proj(x).view(shape))
+    queries = apply_rotary_pos_emb(queries, cos, sin, unsqueeze_dim=2).transpose(1, 2)
+    keys = attention.k_proj(x).view(shape)
+    values = attention.v_proj(x).view(shape) if attention.v_proj is not None else keys  # full layers: K = V
+    keys = apply_rotary_pos_emb(attention.k_norm(keys), cos, sin, unsqueeze_dim=2).transpose(1, 2)
+    values = attention.v_norm(values).transpose(1, 2)
+    return queries, keys, values
+
+
+def feed_forward(layer: Any, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The layer's output from its attention's output [batch, tokens, heads, head_dim] and its input."""
+    hidden = layer.self_attn.o_proj(attention_out.reshape(*residual.shape[:-1], -1).contiguous())
+    hidden = residual + layer.post_attention_layernorm(hidden)
+    residual = hidden
+    dense = layer.post_feedforward_layernorm_1(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+    flat = residual.reshape(-1, residual.shape[-1])
+    _, top_k_weights, top_k_index = layer.router(flat)
+    experts = layer.experts(layer.pre_feedforward_layernorm_2(flat), top_k_index, top_k_weights)
+    experts = layer.post_feedforward_layernorm_2(experts.reshape(residual.shape))
+    hidden = residual + layer.post_feedforward_layernorm(dense + experts)
+    return hidden * layer.layer_scalar
+
+
+def attend(layer: Any, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           attention_mask: Any, past_key_values: Any, kwargs: dict) -> torch.Tensor:
+    """The cache and attention, as the library's attention modules do them."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import eager_attention_forward
+
+    attention = layer.self_attn
+    if past_key_values is not None:
+        if hasattr(attention, "append_to_cache"):  # the decoder reads the prompt's cache, never writes it
+            keys, values = attention.append_to_cache(past_key_values, keys, values)
+        else:
+            keys, values = past_key_values.update(keys, values, attention.layer_idx)
+    if _packable(attention, queries, keys, attention_mask):
+        return grouped_attention(queries, keys, values, attention_mask, attention.scaling)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
+    out, _ = interface(attention, queries, keys, values, attention_mask, dropout=0.0, scaling=attention.scaling,
+                       sliding_window=attention.sliding_window, is_causal=attention.is_causal, **kwargs)
+    return out
+
+
+def _packable(attention: Any, queries: torch.Tensor, keys: torch.Tensor, mask: Any) -> bool:
+    """Whether `grouped_attention` stands in for the library's SDPA call: SDPA configured, query heads
+    sharing KV heads, several query tokens and a mask shared by the heads (the decoder's; an encoder
+    pass's padding or sliding-window mask). Without a mask the library already runs SDPA's own
+    grouped-query kernels."""
+    return (attention.config._attn_implementation == "sdpa" and isinstance(mask, torch.Tensor)
+            and mask.dim() == 4 and mask.shape[1] == 1 and queries.shape[2] > 1
+            and queries.shape[1] > keys.shape[1] and queries.shape[1] % keys.shape[1] == 0)
+
+
+def grouped_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
+    """SDPA for query heads that share KV heads under a mask, as [batch, tokens, heads, head_dim].
+
+    With a mask, the library repeats every KV head for each query head that reads it (SDPA's
+    grouped-query kernels take no mask): a copy of the whole KV in every layer, 120 copy kernels and
+    ~15 ms of a 32-row decoder pass on an H200 (docs/benchmarks.md). Here the query heads of a KV
+    head are stacked along the tokens instead ([batch, kv heads, group x tokens, dim]) and the mask
+    repeated to match: each query row meets the same keys, values and mask row as before."""
+    batch, heads, tokens, dim = queries.shape
+    groups = heads // keys.shape[1]
+    stacked = queries.reshape(batch, keys.shape[1], groups * tokens, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        stacked, keys, values, attn_mask=mask.repeat(1, 1, groups, 1), scale=scaling)
+    return out.reshape(batch, heads, tokens, dim).transpose(1, 2)
+
+
+def install(layers: list[Any], compile: Callable[[Callable], Callable] | None = None) -> None:
+    """Give each layer the split forward; `compile` wraps the two compiled pieces (None: eager)."""
+    inputs = compile(attention_inputs) if compile else attention_inputs
+    rest = compile(feed_forward) if compile else feed_forward
+    for layer in layers:
+        layer.forward = _split_forward(layer, inputs, rest)
+
+
+def _split_forward(layer: Any, inputs: Callable, rest: Callable) -> Callable:
+    def forward(hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+                position_ids: Any = None, past_key_values: Any = None, **kwargs: Any) -> torch.Tensor:
+        cos, sin = position_embeddings
+        queries, keys, values = inputs(layer, hidden_states, cos, sin)
+        out = attend(layer, queries, keys, values, attention_mask, past_key_values,
+                     {"position_ids": position_ids, **kwargs})
+        return rest(layer, out, hidden_states)
+
+    forward.djev_split = True  # type: ignore[attr-defined]
+    return forward
+
+
+def vision_layer(layer: Any, hidden_states: torch.Tensor, position_embeddings: Any, attention_mask: Any,
+                 position_ids: Any) -> torch.Tensor:
+    """A vision encoder layer's own forward, with the layer an argument: compiled once, it serves
+    every layer of the tower (a vision layer reads no layer number)."""
+    return type(layer).forward(layer, hidden_states, position_embeddings=position_embeddings,
+                               attention_mask=attention_mask, position_ids=position_ids)
+
+
+def install_vision(layers: list[Any], compile: Callable[[Callable], Callable] | None = None) -> None:
+    """Give each vision encoder layer a forward through `vision_layer` (compiled when `compile` is
+    given): the tower's norms, rotary and residual kernels fused instead of replayed one by one."""
+    body = compile(vision_layer) if compile else vision_layer
+    for layer in layers:
+        layer.forward = _vision_forward(layer, body)
+
+
+def _vision_forward(layer: Any, body: Callable) -> Callable:
+    def forward(hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+                position_ids: Any = None, **kwargs: Any) -> torch.Tensor:
+        return body(layer, hidden_states, position_embeddings, attention_mask, position_ids)
+
+    forward.djev_split = True  # type: ignore[attr-defined]
+    return forward

@@ -1,0 +1,219 @@
+"""The experts of a DiffusionGemma layer as two Triton kernels (FUSED_MOE, CUDA only).
+
+transformers' `grouped_mm` experts (what the engine used before) sort the token-expert pairs,
+gather the tokens' hidden states into a new tensor, run a grouped GEMM, split gate and up, apply
+the activation, run the second grouped GEMM, weight the rows, scatter them back and sum: on an
+H200 the GEMMs read the experts' weights at about 2.7 TB/s and the glue around them (gathers,
+elementwise kernels, the un-permute) costs as much again at batch 32 (docs/benchmarks.md).
+
+Here, per layer:
+  1. `align`: the token-expert pairs sorted by expert, each expert's run padded to a multiple of
+     BLOCK_M, and the expert of every block of BLOCK_M pairs -- a few small torch ops with no host
+     synchronisation, so the whole thing replays inside a CUDA graph (sizes are bounded by
+     pairs + experts x (BLOCK_M - 1), known from the shapes alone);
+  2. `gate_up_kernel`: for each block of pairs of one expert, the gate and up projections of the
+     tokens, read straight from the hidden states by token index, the activation and their product,
+     written to an [pairs, intermediate] buffer in the pairs' own order;
+  3. `down_kernel`: the down projection of those rows, written to a [pairs, hidden] buffer in the
+     model's dtype, in the pairs' own order;
+  4. `weighted_sum`: each token's top-k rows times their routing weights, summed. It runs outside
+     the custom op, in the compiled layer piece that calls the experts (app/engine/hf/layers.py), where
+     inductor fuses it with the norm after it: the rows are read once, in the model's dtype (an fp32
+     buffer of weighted rows, written by the kernel and read by a separate sum, cost ~8 ms of a
+     32-prompt read on an H200).
+No pair is gathered or scattered through a copy of the hidden states, and an expert that no token
+chose reads no weight.
+
+Numerics follow the grouped_mm path step by step: each projection is accumulated in fp32 and
+rounded to the model's dtype; the activation and the product are rounded as eager PyTorch rounds
+them; the routing weight multiplies in fp32 and the top-k sum is fp32, rounded once. Only the
+order of the fp32 accumulations differs (tests/engine/hf/moe/test_fused.py checks the kernels
+against transformers' own experts, through Triton's interpreter on the CPU).
+
+Triton is imported lazily: the CPU install never needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+IMPLEMENTATION = "djev_fused"  # the name registered in transformers' experts interface
+ACTIVATIONS = ("gelu_pytorch_tanh",)  # what the kernel computes (Gemma 4's experts)
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Tiles by the pairs an expert gets on average, from bench/bench_gpu_moe.py --sweep on an H200
+# (docs/benchmarks.md). With 128 experts x top-8: up to 128 tokens (a canvas or four), 512 (eight to
+# sixteen canvases, a prompt), 1024 (32 canvases), and past that (a batch of prompts) LARGE. There
+# the work is compute-bound: with the rows in bf16 (weighted_sum) the kernels match transformers'
+# grouped_mm (cuBLAS/CUTLASS grouped GEMM, its glue compiled): 2.62 vs 2.70 ms a layer at 10,240
+# tokens, 2.47 with DOWN_TILES. (A choice between the two made outside the custom op would be a size
+# guard in every compiled layer, recompiling each tile range of every shape on first use: seconds
+# each, measured on the H200.)
+TILES = ((8, BlockConfig(16, 64, 128, 4, 3)), (32, BlockConfig(32, 64, 128, 4, 3)), (64, BlockConfig(64, 64, 64, 4, 4)))
+LARGE = BlockConfig(128, 128, 64, 8, 3)
+# The down kernel's own tiles where they differ (same block_m): its K is the expert FFN (704), and
+# wider blocks of hidden columns are 6 % faster there (2.47 vs 2.62 ms a layer at 10,240 tokens).
+DOWN_TILES = {LARGE: BlockConfig(128, 256, 64, 8, 3)}
+
+
+def block_config(pairs: int, experts: int) -> BlockConfig:
+    """The kernels' tiles for `pairs` token-expert pairs over `experts`. Few pairs an expert: small
+    blocks, each chosen expert's weights streamed once (memory-bound: 3.4 TB/s at one canvas,
+    against grouped_mm's 2.5); many: large tiles that reuse each weight tile over more rows."""
+    per_expert = pairs / max(1, experts)
+    for limit, config in TILES:
+        if per_expert <= limit:
+            return config
+    return LARGE
+
+
+def align(top_k_index: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pairs, block_experts): the pair ids (token x top_k + slot) sorted by expert (stable), each
+    expert's run padded to a multiple of `block_m` with the sentinel tokens x top_k; and each block
+    of `block_m` entries' expert, or `experts` for the blocks past the last run (the kernels skip
+    them). Sizes depend only on the shapes: no host sync."""
+    flat = top_k_index.reshape(-1)
+    total = flat.numel()
+    device = flat.device
+    counts = torch.zeros(experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    padded_starts = padded_ends - padded
+    starts = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(total, device=device) - starts[expert_of]
+    capacity = -(-(total + experts * (block_m - 1)) // block_m) * block_m
+    pairs = torch.full((capacity,), total, dtype=torch.int32, device=device)
+    pairs[padded_starts[expert_of] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
+    return pairs, block_experts
+
+
+def weighted_sum(rows: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Each token's top-k expert rows ([tokens x top_k, hidden], in the pairs' order) times their
+    routing weights, summed in fp32 slot by slot and rounded once to the rows' dtype."""
+    tokens, top_k = top_k_weights.shape
+    rows = rows.view(tokens, top_k, -1)
+    weights = top_k_weights.to(torch.float32).unsqueeze(-1)
+    total = rows[:, 0].to(torch.float32) * weights[:, 0]
+    for slot in range(1, top_k):
+        total = total + rows[:, slot].to(torch.float32) * weights[:, slot]
+    return total.to(rows.dtype)
+
+
+def expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_proj: torch.Tensor,
+                down_proj: torch.Tensor, config: BlockConfig | None = None,
+                down: BlockConfig | None = None) -> torch.Tensor:
+    """Every token-expert pair's expert output [tokens x top_k, hidden] in the model's dtype, before
+    its routing weight: the kernels with the tiles given (bench/bench_gpu_moe.py tries several);
+    None = block_config's. `down`, if given, is the down kernel's own tiles (same block_m)."""
+    import triton
+
+    from app.engine.hf.moe.kernels import RUN_INTERPRETED, down_kernel, gate_up_kernel
+
+    tokens, hidden = hidden_states.shape
+    experts, double_inter, _ = gate_up_proj.shape
+    inter = double_inter // 2
+    top_k = top_k_index.shape[1]
+    total = tokens * top_k
+    config = config or block_config(total, experts)
+    down = down or DOWN_TILES.get(config, config)
+    if down.block_m != config.block_m:
+        raise ValueError("both kernels read the same blocks of pairs: block_m must match")
+    precision = "ieee" if hidden_states.dtype == torch.float32 else "tf32"
+    x = hidden_states.contiguous()
+    gate_up_proj = gate_up_proj.contiguous()
+    down_proj = down_proj.contiguous()
+    pairs, block_experts = align(top_k_index, experts, config.block_m)
+    blocks = block_experts.numel()
+    activated = torch.empty((total, inter), dtype=x.dtype, device=x.device)
+    gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](
+        x, gate_up_proj, activated, pairs, block_experts,
+        total, hidden, inter, top_k, experts,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), activated.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, INTERPRETED=RUN_INTERPRETED, PRECISION=precision)
+    rows = torch.empty((total, hidden), dtype=x.dtype, device=x.device)
+    down_kernel[(blocks, triton.cdiv(hidden, down.block_n))](
+        activated, down_proj, rows, pairs, block_experts,
+        total, hidden, inter, experts,
+        activated.stride(0), down_proj.stride(0), down_proj.stride(1), rows.stride(0),
+        BLOCK_M=down.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        num_warps=down.num_warps, num_stages=down.num_stages, INTERPRETED=RUN_INTERPRETED, PRECISION=precision)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- wiring
+
+_OP: Any = None
+
+
+def _custom_op() -> Any:
+    """`expert_rows` as a torch custom op, so torch.compile (TORCH_COMPILE compiles the layer piece
+    that calls the experts) treats it as one opaque call with a known output shape instead of
+    tracing Triton."""
+    global _OP
+    if _OP is None:
+        def rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_proj: torch.Tensor,
+                 down_proj: torch.Tensor) -> torch.Tensor:
+            return expert_rows(hidden_states, top_k_index, gate_up_proj, down_proj)
+
+        op = torch.library.custom_op("djev::expert_rows", mutates_args=())(rows)
+
+        @op.register_fake
+        def _(hidden_states, top_k_index, gate_up_proj, down_proj):  # noqa: ANN001, ANN202
+            return hidden_states.new_empty((top_k_index.numel(), hidden_states.shape[1]))
+
+        _OP = op
+    return _OP
+
+
+def experts_forward(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The forward transformers calls for a DiffusionGemma experts module under IMPLEMENTATION."""
+    rows = _custom_op()(hidden_states, top_k_index, module.gate_up_proj, module.down_proj)
+    return weighted_sum(rows, top_k_weights)
+
+
+def unsupported(config: Any) -> str | None:
+    """Why the kernels cannot run this model's experts, or None when they can."""
+    text = getattr(config, "text_config", config)
+    activation = getattr(text, "hidden_activation", None)
+    if activation not in ACTIVATIONS:
+        return f"the experts' activation is {activation!r}, the kernel computes {', '.join(ACTIVATIONS)}"
+    if not getattr(text, "num_experts", None):
+        return "the model has no experts"
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"Triton is not importable ({exc})"
+    return None
+
+
+def use_fused_experts(model: Any) -> str | None:
+    """Switch `model`'s experts to the kernels (registering IMPLEMENTATION in transformers' experts
+    interface); returns None, or why they cannot run it (the model keeps its implementation)."""
+    reason = unsupported(model.config)
+    if reason is not None:
+        return reason
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
+    model.set_experts_implementation(IMPLEMENTATION)
+    return None

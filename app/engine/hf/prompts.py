@@ -1,0 +1,598 @@
+"""Prompt encoding for DiffusionRunner: a prompt's KV (what the decoder reads), the bounded LRU of
+encoded prompts, image expansion and features, and batched encoder passes, replayed as CUDA graphs
+(app/engine/hf/graphs/encoder.py) where a bucket fits and eager otherwise.
+
+Prompts missing from the LRU share encoder passes: sorted by length, at most `max_rows` a pass and
+`max_prompt_tokens` padded tokens, and, with encoder graphs, never across the bucket they fit. With
+encoder graphs, a text prompt that begins like an earlier one (the same question sheet ahead of a new
+state: the prompt puts the per-request text last for this) is encoded over their shared prefix: the
+prefix's KV is taken from the earlier prompt's (or encoded once) and kept in its own small LRU, and
+only the rest of the prompt goes through the layers (`PrefixIndex` finds the prefixes). Image
+prompts' images go through the vision tower together (features cached by the images' digests, so a
+frame restated in a later stage skips decoding and the tower), then share passes like text.
+
+Decoding and the image processor (`preprocess`) are plain CPU work that touches neither the model nor
+the caches: HFReader runs them in worker threads before a read or generation is queued and hands the
+result over (`Preprocessed`), so the engine thread only uploads the pixels (on CUDA it also rescales,
+patches and pads them on the device: app/engine/hf/pixels.py) and runs the tower. A
+prompt without a handed-over result (a direct runner call, a budget exceeded) is preprocessed inline.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from app.engine.hf import pixels
+from app.engine.base import EngineInputError, Prompt, decode_images
+from app.engine.hf.pixels import Resized
+from app.engine.hf.graphs.encoder import copy_rows
+
+
+@dataclass
+class EncodedPrompt:
+    """A prompt's KV as the decoder reads it: per layer, keys and values of shape [1, heads, n, dim]
+    (sliding-window layers keep only their window). Never mutated once stored."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    length: int  # prompt tokens as the model saw them, image soft tokens included
+
+
+@dataclass(frozen=True)
+class ProcessedImages:
+    """A prompt's images as the vision tower takes them, still on the CPU: what decoding, RGB
+    conversion and the image processor made of them. Any thread may build one (`preprocess`); the
+    engine thread only uploads it (and, with `resized`, finishes it on the device)."""
+
+    counts: tuple[int, ...]  # soft tokens per image
+    pixel_values: torch.Tensor | None  # [images, patches, patch pixels], already in the model's dtype
+    image_position_ids: torch.Tensor | None  # [images, patches, 2]
+    # With `split_pixels`: the images only resized (uint8); the engine thread finishes them on the
+    # device (app/engine/hf/pixels.py), and the two tensors above are None.
+    resized: Resized | None = None
+
+
+# Images preprocessed off the engine thread, by the digests of a prompt's images (`Prompt.cache_key[1]`):
+# the result, or the EngineInputError preprocessing raised, raised again on the engine thread for each
+# prompt that holds those images, exactly where inline preprocessing would have raised it.
+Preprocessed = Mapping[tuple, "ProcessedImages | EngineInputError"]
+
+
+class PromptCache:
+    """Bounded LRU of encoded prompts: a repeated prompt (the same state, the same question sheet)
+    pays its encoder pass once."""
+
+    def __init__(self, entries: int) -> None:
+        self.entries = entries
+        self._items: OrderedDict[tuple, EncodedPrompt] = OrderedDict()
+
+    def get(self, key: tuple) -> EncodedPrompt | None:
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+        return item
+
+    def put(self, key: tuple, item: EncodedPrompt) -> None:
+        if self.entries <= 0:
+            return
+        self._items[key] = item
+        self._items.move_to_end(key)
+        while len(self._items) > self.entries:
+            self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def __contains__(self, key: object) -> bool:
+        """Membership without touching the LRU order, so the event loop may ask while the engine
+        thread uses the cache (one dict lookup under the GIL); the answer may be stale by the time
+        the entry is read, which costs only an inline preprocess or one done for nothing."""
+        return key in self._items
+
+
+# Shared prefixes are found at multiples of PREFIX_BLOCK tokens and used from PREFIX_MIN tokens on (a
+# shorter one saves less than its mask costs); PREFIX_SEEN block hashes are remembered. At most
+# PREFIX_ENTRIES prefixes' KV are kept (fewer where KV_CACHE_ENTRIES is lower): ~220 KiB a token at
+# full size, so a 150-token sheet is ~32 MiB and the bound, prefixes as long as the 1,024-token
+# window, 3.5 GiB.
+PREFIX_BLOCK = 16
+PREFIX_MIN = 64
+PREFIX_SEEN = 8192
+PREFIX_ENTRIES = 16
+
+
+class PrefixIndex:
+    """Which earlier prompt began with the same tokens as a new one. Every prompt's prefixes at
+    multiples of `block` tokens (each leaving at least one token after it) are remembered by a
+    chained hash, the hash of the previous block's hash and the block's ids, so finding the longest
+    one takes one hash and one lookup per block. A hash names the last prompt that had it (by its
+    cache key); the caller checks that prompt's ids before it trusts one (a hash may collide). Pure:
+    no tensors, no model."""
+
+    def __init__(self, block: int = PREFIX_BLOCK, minimum: int = PREFIX_MIN, entries: int = PREFIX_SEEN) -> None:
+        self.block = block
+        self.minimum = minimum
+        self.entries = entries
+        self._seen: OrderedDict[int, tuple] = OrderedDict()
+
+    def hashes(self, ids: Sequence[int]) -> list[int]:
+        """The chained hashes of ids[:block], ids[:2 * block], ..., each shorter than `ids`."""
+        chained: list[int] = []
+        value = 0
+        for end in range(self.block, len(ids), self.block):
+            value = hash((value, tuple(ids[end - self.block:end])))
+            chained.append(value)
+        return chained
+
+    def longest(self, hashes: Sequence[int], found: Any) -> tuple[int, Any] | None:
+        """(tokens, what `found` returned) for the longest prefix of at least `minimum` tokens for
+        which found(hash) returns something; None for none."""
+        for blocks in range(len(hashes), 0, -1):
+            if blocks * self.block < self.minimum:
+                break
+            hit = found(hashes[blocks - 1])
+            if hit is not None:
+                return blocks * self.block, hit
+        return None
+
+    def seen(self, hashes: Sequence[int], key: tuple) -> tuple[int, tuple] | None:
+        """(tokens, cache key) of the longest prefix whose hash another prompt recorded last (one
+        `key` itself recorded last is passed over)."""
+        def other(value: int) -> tuple | None:
+            found = self._seen.get(value)
+            return None if found == key else found
+
+        return self.longest(hashes, other)
+
+    def record(self, hashes: Sequence[int], key: tuple) -> None:
+        for value in hashes:
+            self._seen[value] = key
+            self._seen.move_to_end(value)
+        while len(self._seen) > self.entries:
+            self._seen.popitem(last=False)
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+
+@dataclass
+class _PrefixGroup:
+    """Prompts to encode over one shared prefix: its ids, where its KV comes from, and the items."""
+
+    value: int  # the chained hash of its ids: its key in the prefix LRU
+    ids: tuple[int, ...]
+    source: tuple | None  # the cache key of a prompt that begins with it (its KV sliced), or None
+    items: list
+    encoded: EncodedPrompt | None = None
+
+
+class PromptEncodingMixin:
+    """Prompt encoding for DiffusionRunner (which provides the model, config, caches and stats)."""
+
+    model: Any
+    config: Any
+    text_config: Any
+    device: torch.device
+    image_processor: Any
+    split_pixels: bool  # images finished on the device (app/engine/hf/pixels.py): CUDA and a Gemma 4 processor
+    max_prompt_tokens: int
+    max_rows: int
+    prompts: "PromptCache"
+    vision: "PromptCache"
+    prefixes: "PromptCache"  # shared prefixes' (ids, EncodedPrompt), by their chained hash
+    prefix_index: PrefixIndex
+    encoder_graphs: Any
+    vision_graphs: Any
+    stats: Any
+
+
+    def preprocess(self, prompt: Prompt) -> ProcessedImages:
+        """Decode the prompt's images, convert them to RGB and run the image processor: CPU work that
+        touches neither the model's weights nor the caches, so a worker thread may run it while the
+        engine thread runs passes. A file that does not decode is a 422 naming its source."""
+        if self.image_processor is None:
+            raise EngineInputError("this model has no image processor", status=422, param="images")
+        if self.split_pixels:
+            resized = pixels.resize(self.image_processor, decode_images(prompt))
+            return ProcessedImages(counts=resized.counts, pixel_values=None, image_position_ids=None, resized=resized)
+        processed = self.image_processor(decode_images(prompt), return_tensors="pt")
+        return ProcessedImages(
+            counts=tuple(int(n) for n in processed["num_soft_tokens_per_image"]),
+            pixel_values=processed["pixel_values"].to(self.model.dtype),  # the cast off the engine thread too
+            image_position_ids=processed["image_position_ids"],
+        )
+
+    def images_cached(self, key: tuple) -> bool:
+        """Whether a read of the prompt with this `cache_key` will skip decoding its images: its KV
+        or its images' features are in the LRUs (a generation never reuses them). Safe to ask from
+        the event loop (see `PromptCache.__contains__`)."""
+        return key in self.prompts or key[1] in self.vision
+
+    def _expand(
+        self, prompt: Prompt, *, reuse_vision: bool = False, preprocessed: Preprocessed | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Token ids with each image placeholder expanded, plus the vision inputs. With
+        `reuse_vision`, images whose features are in the vision LRU (a walk frame's later stages
+        restate the same frame) skip decoding and come back as `image_features` instead. Images
+        found in `preprocessed` are only uploaded; others are preprocessed here."""
+        ids = list(prompt.ids)
+        inputs: dict[str, torch.Tensor] = {}
+        digests = prompt.cache_key[1] if prompt.images else ()
+        known = self.vision.get(digests) if prompt.images and reuse_vision else None
+        if known is not None:
+            counts, features = known
+            self.stats["vision_hits"] += 1
+            ids = self._expand_placeholders(ids, counts)
+            inputs["image_features"] = features
+        elif prompt.images:
+            ready = preprocessed.get(digests) if preprocessed else None
+            if isinstance(ready, EngineInputError):
+                raise ready
+            if ready is None:
+                ready = self.preprocess(prompt)
+                self.stats["images_preprocessed_inline"] += 1
+            ids = self._expand_placeholders(ids, list(ready.counts))
+            inputs["soft_token_counts"] = torch.tensor(ready.counts)
+            if ready.resized is not None:
+                inputs["pixel_values"], inputs["image_position_ids"] = pixels.patches(
+                    self.image_processor, ready.resized, self.device, self.model.dtype)
+            else:
+                assert ready.pixel_values is not None and ready.image_position_ids is not None
+                inputs["pixel_values"] = ready.pixel_values.to(self.device, self.model.dtype)
+                inputs["image_position_ids"] = ready.image_position_ids.to(self.device)
+        if len(ids) > self.max_prompt_tokens:
+            raise self._too_long(len(ids))
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        inputs["input_ids"] = input_ids
+        if prompt.images:
+            inputs["mm_token_type_ids"] = (input_ids == self.config.image_token_id).long()
+        return inputs
+
+    def _expand_placeholders(self, ids: list[int], counts: list[int]) -> list[int]:
+        """Each image placeholder becomes begin-of-image, its soft tokens, end-of-image."""
+        expanded: list[int] = []
+        placeholder = self.config.image_token_id
+        images_seen = 0
+        for token in ids:
+            if token == placeholder and images_seen < len(counts):
+                expanded.append(self.config.boi_token_id)
+                expanded.extend([placeholder] * counts[images_seen])
+                expanded.append(self.config.eoi_token_id)
+                images_seen += 1
+            else:
+                expanded.append(token)
+        if images_seen != len(counts):
+            raise EngineInputError(
+                f"the prompt has {images_seen} image placeholders for {len(counts)} images", status=422,
+                param="images",
+            )
+        return expanded
+
+    def _new_cache(self) -> Any:
+        from transformers.cache_utils import DynamicCache
+
+        return DynamicCache(config=self.text_config)
+
+    @torch.no_grad()
+    def encode(self, prompt: Prompt) -> EncodedPrompt:
+        """The prompt's KV, from the LRU or from one encoder pass."""
+        outcome = self.encode_many([prompt])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _encode_into_cache(self, prompt: Prompt, preprocessed: Preprocessed | None = None) -> tuple[Any, int]:
+        """The prompt encoded into a fresh cache that generation may extend; (cache, prompt tokens incl.
+        images). A text prompt shorter than the sliding window takes the reads' path (the LRU, or an
+        encoder graph replay on CUDA) and its KV is loaded into the cache, which then holds exactly
+        what an eager pass leaves there; any other prompt gets one eager encoder pass."""
+        if self._graph_encodable(prompt):
+            encoded = self.encode(prompt)
+            cache = self._new_cache()
+            for index, (keys, values) in enumerate(encoded.layers):
+                cache.update(keys, values, index)  # the cache concatenates later blocks: the LRU's tensors stay as they are
+            return cache, encoded.length
+        inputs = self._expand(prompt, preprocessed=preprocessed)
+        inputs.pop("soft_token_counts", None)
+        length = int(inputs["input_ids"].shape[1])
+        cache = self._new_cache()
+        positions = torch.arange(length, device=self.device).unsqueeze(0)
+        self.model.model.encoder(past_key_values=cache, position_ids=positions, **inputs)
+        self.stats["encoder_passes"] += 1
+        return cache, length
+
+    def _graph_encodable(self, prompt: Prompt) -> bool:
+        """Whether a generation's prompt may be encoded like a read's: encoder graphs are held (CUDA),
+        the prompt is text that fits one, and it is shorter than the sliding window (so the sliding
+        layers' KV needs no crop before the cache takes it)."""
+        graphs = self.encoder_graphs
+        n = len(prompt.ids)
+        return (graphs is not None and not prompt.images and 0 < n < graphs.sliding_window
+                and n <= self.max_prompt_tokens and graphs.fits(1, n))
+
+    @torch.no_grad()
+    def encode_many(
+        self, prompts: Sequence[Prompt], preprocessed: Preprocessed | None = None,
+    ) -> list[EncodedPrompt | Exception]:
+        """Encode several prompts: prompts missing from the LRU share encoder passes (at most
+        `max_rows` prompts and `max_prompt_tokens` padded tokens a pass, and, with encoder graphs, one
+        bucket). With encoder graphs, text prompts that begin like an earlier one are encoded over
+        that shared prefix (`_by_prefix`). Image prompts' images go through the vision tower together
+        (taken from `preprocessed` where they are there), then share passes like text. A prompt that
+        cannot be read gets its exception."""
+        results: list[EncodedPrompt | Exception | None] = [None] * len(prompts)
+        pending: dict[tuple, list[int]] = {}
+        for index, prompt in enumerate(prompts):
+            key = prompt.cache_key
+            cached = self.prompts.get(key)
+            if cached is not None:
+                self.stats["kv_hits"] += 1
+                results[index] = cached
+            elif key in pending:
+                pending[key].append(index)
+            elif not prompt.images and len(prompt.ids) > self.max_prompt_tokens:
+                results[index] = self._too_long(len(prompt.ids))
+            else:
+                pending[key] = [index]
+        text = [(key, indices) for key, indices in pending.items() if not prompts[indices[0]].images]
+        images = [(key, indices) for key, indices in pending.items() if prompts[indices[0]].images]
+        text, groups = self._by_prefix(text)
+        for batch in self._prompt_batches(text, [len(key[0]) for key, _ in text]):
+            rows = [list(key[0]) for key, _ in batch]
+            self._store(batch, self._encode_ids(rows), [len(ids) for ids in rows], results)
+        self._encode_over_prefixes(groups, results)
+        embedded: list[tuple[tuple, list[int]]] = []
+        expanded: list[dict[str, torch.Tensor]] = []
+        for key, indices in images:
+            try:
+                expanded.append(self._expand(prompts[indices[0]], reuse_vision=True, preprocessed=preprocessed))
+                embedded.append((key, indices))
+            except EngineInputError as exc:
+                for index in indices:
+                    results[index] = exc
+        self._image_features(expanded, [key[1] for key, _ in embedded])
+        embeds = [self._input_embeds(inputs) for inputs in expanded]
+        order = list(range(len(embedded)))
+        for batch in self._prompt_batches(list(zip(embedded, order)), [int(embeds[i].shape[0]) for i in order]):
+            rows = [embeds[i] for _, i in batch]
+            self._store([item for item, _ in batch], self._encode_embeds(rows), [int(r.shape[0]) for r in rows],
+                        results)
+        return results  # type: ignore[return-value]
+
+    def _prompt_batches(self, items: list, lengths: list[int], prefix: int = 0) -> list[list]:
+        """`items` grouped into encoder passes, shortest first: a pass holds at most `max_rows` rows and
+        `max_prompt_tokens` padded tokens, and, with encoder graphs, stays inside one graph bucket
+        whenever the prompts alone fit one. With a shared `prefix` (tokens), `lengths` are what
+        follows it, and the padded-token cap counts those only."""
+        graphs = self.encoder_graphs
+        batches: list[list] = []
+        batch: list = []
+        longest = 0
+        for item, length in sorted(zip(items, lengths), key=lambda pair: pair[1]):
+            grown = max(longest, length)
+            full = len(batch) >= self.max_rows or grown * (len(batch) + 1) > self.max_prompt_tokens
+            if graphs is not None and batch and graphs.fits(len(batch), longest, prefix):
+                full = full or not graphs.fits(len(batch) + 1, grown, prefix)
+            if batch and full:
+                batches.append(batch)
+                batch, grown = [], length
+            batch.append(item)
+            longest = grown
+        if batch:
+            batches.append(batch)
+        return batches
+
+    # ------------------------------------------------------------------ shared prefixes
+
+    def _by_prefix(self, text: list[tuple[tuple, list[int]]]) -> tuple[list, list[_PrefixGroup]]:
+        """The text prompts to encode split into those encoded whole and groups over a shared prefix:
+        the longest in the prefix LRU, or the longest another prompt began with (PREFIX_MIN tokens or
+        more) where there is none or it is longer by PREFIX_MIN tokens or more (so the prompts of a
+        sheet share one prefix, not one for each pair of states that begin alike); of those, the
+        first that a pass over it fits. Only with encoder graphs (the static path runs passes over a
+        prefix). Every prompt's prefixes are recorded for later ones."""
+        graphs = self.encoder_graphs
+        if graphs is None or graphs.disabled is not None or self.prefixes.entries <= 0:
+            return text, []
+        whole: list = []
+        groups: dict[int, _PrefixGroup] = {}
+        for item in text:
+            key = item[0]
+            ids = key[0]
+            hashes = self.prefix_index.hashes(ids)
+            cached = self.prefix_index.longest(hashes, lambda value: self._cached_prefix(value, ids))
+            seen = self.prefix_index.seen(hashes, key)
+            self.prefix_index.record(hashes, key)
+            if seen is not None and cached is not None and seen[0] - cached[0] < self.prefix_index.minimum:
+                seen = None  # a new, longer prefix only where it saves as much again: one group a sheet
+            candidates = [(chosen, chosen is seen) for chosen in (seen, cached) if chosen is not None]
+            group = None
+            for (length, found), new in candidates:
+                if graphs.fits(1, len(ids) - length, length):
+                    group = self._join(groups, hashes[length // self.prefix_index.block - 1], ids[:length],
+                                       found, new)
+                    break
+            if group is None:
+                whole.append(item)
+            else:
+                group.items.append(item)
+        return whole, list(groups.values())
+
+    @staticmethod
+    def _join(groups: dict[int, _PrefixGroup], value: int, ids: tuple[int, ...], found: Any,
+              new: bool) -> _PrefixGroup | None:
+        """The group of the prefix `ids` (its chained hash `value`), made on first use: a new prefix
+        names the prompt it is sliced from (`found` is its cache key), a cached one brings its KV.
+        None where another prefix holds the hash (a collision): that prompt is encoded whole."""
+        group = groups.get(value)
+        if group is None:
+            group = groups[value] = _PrefixGroup(value=value, ids=ids, items=[], source=found if new else None,
+                                                 encoded=None if new else found)
+        return group if group.ids == ids else None
+
+    def _cached_prefix(self, value: int, ids: tuple[int, ...]) -> EncodedPrompt | None:
+        entry = self.prefixes.get(value)
+        if entry is None or ids[: len(entry[0])] != entry[0]:
+            return None
+        return entry[1]
+
+    def _encode_over_prefixes(self, groups: list[_PrefixGroup], results: list) -> None:
+        """Each group's prefix KV (cached, sliced from the prompt that began with it, or encoded),
+        then its prompts' suffixes in passes over it; a batch the static path turns down is encoded
+        whole."""
+        for group in groups:
+            if group.encoded is None:
+                group.encoded = self._prefix_kv(group)
+                self.prefixes.put(group.value, (group.ids, group.encoded))
+            length = len(group.ids)
+            items = group.items
+            refused: list = []
+            for batch in self._prompt_batches(items, [len(key[0]) - length for key, _ in items], length):
+                rows = [list(key[0][length:]) for key, _ in batch]
+                layers = self._static_pass(rows, group.encoded)
+                if layers is None:
+                    refused.extend(batch)
+                    continue
+                self.stats["prefix_hits"] += len(batch)
+                self._store(batch, layers, [length + len(row) for row in rows], results)
+            for batch in self._prompt_batches(refused, [len(key[0]) for key, _ in refused]):
+                whole = [list(key[0]) for key, _ in batch]
+                self._store(batch, self._encode_ids(whole), [len(ids) for ids in whole], results)
+
+    def _prefix_kv(self, group: _PrefixGroup) -> EncodedPrompt:
+        """A new shared prefix's KV: the first tokens of the prompt that began with it where that
+        prompt's KV is in the LRU whole (no sliding layer cropped) and its ids do begin with the
+        prefix (a hash names it), else one pass of its own."""
+        length = len(group.ids)
+        source = self.prompts.get(group.source) if group.source is not None else None
+        if (source is not None and source.length < int(self.text_config.sliding_window)
+                and group.source[0][:length] == group.ids):
+            self.stats["prefixes_sliced"] += 1
+            layers = [(keys[:, :, :length], values[:, :, :length]) for keys, values in source.layers]
+            return EncodedPrompt(copy_rows([layers])[0], length)
+        self.stats["prefixes_encoded"] += 1
+        return EncodedPrompt(self._encode_ids([list(group.ids)])[0], length)
+
+    def _static_pass(self, rows: list[list[int]], prefix: EncodedPrompt | None = None) -> list | None:
+        """Each row's KV from one pass on the encoder graphs' static path (with `prefix`, the rows are
+        its suffixes and each row's KV is the whole prompt's); None where the path turns it down."""
+        if self.encoder_graphs is None:
+            return None
+        return self._counted(self.encoder_graphs.encode_ids(
+            rows, self._pad_id(), prefix=(prefix.layers, prefix.length) if prefix else None))
+
+    def _store(self, batch: list[tuple[tuple, list[int]]], layers: list, lengths: list[int], results: list) -> None:
+        self.stats["kv_misses"] += len(batch)
+        for (key, indices), row_layers, length in zip(batch, layers, lengths):
+            encoded = EncodedPrompt(row_layers, length)
+            self.prompts.put(key, encoded)
+            for index in indices:
+                results[index] = encoded
+
+    def _image_features(self, expanded: list[dict[str, torch.Tensor]], digests: list[tuple]) -> None:
+        """Vision features for every prompt that needs them (sets `image_features`): the images of
+        all those prompts go through the vision tower together, one pass per patch layout (frames
+        of the same size from any number of camera sessions share it), replayed as a CUDA graph
+        where one is held; new features go into the vision LRU."""
+        groups: dict[tuple, list[int]] = {}
+        for number, inputs in enumerate(expanded):
+            if "pixel_values" in inputs and "image_features" not in inputs:
+                groups.setdefault(tuple(inputs["pixel_values"].shape[1:]), []).append(number)
+        encoder = self.model.model.encoder
+        for members in groups.values():
+            pixels = torch.cat([expanded[n]["pixel_values"] for n in members])
+            positions = torch.cat([expanded[n]["image_position_ids"] for n in members])
+            features = self.vision_graphs.features(pixels, positions) if self.vision_graphs is not None else None
+            if features is None:
+                features = encoder.get_image_features(pixels, positions, return_dict=True).pooler_output
+            else:
+                self.stats["vision_graph_replays"] += 1
+            self.stats["vision_passes"] += 1
+            features = features.reshape(-1, features.shape[-1]).to(self.model.dtype)
+            sizes = [int(expanded[n]["soft_token_counts"].sum()) for n in members]
+            for n, chunk in zip(members, torch.split(features, sizes)):
+                expanded[n]["image_features"] = chunk
+                if digests[n]:
+                    self.vision.put(digests[n], ([int(c) for c in expanded[n]["soft_token_counts"]], chunk))
+
+    def _input_embeds(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A prompt's input embeddings [n, hidden], its image features (from `_image_features` or
+        the vision LRU) scattered over its soft tokens, as the encoder model does before its text
+        layers."""
+        input_ids = inputs["input_ids"]
+        embeds = self.model.model.encoder.get_input_embeddings()(input_ids)
+        if "pixel_values" in inputs and "image_features" not in inputs:
+            self._image_features([inputs], [()])
+        features = inputs.get("image_features")
+        if features is not None:
+            mask = (input_ids == self.config.image_token_id).unsqueeze(-1)
+            embeds = embeds.masked_scatter(mask, features.to(embeds.dtype))
+        return embeds[0]
+
+    def _encode_ids(self, rows: list[list[int]]) -> list:
+        """Each row's KV layers: one pass on the encoder graphs' static path, or one eager
+        left-padded encoder pass."""
+        replayed = self._static_pass(rows)
+        if replayed is not None:
+            return replayed
+        self.stats["encoder_passes"] += 1
+        embeds = self.model.model.encoder.get_input_embeddings()(self._left_padded(rows))
+        return self._encode_eager(embeds, [len(ids) for ids in rows])
+
+    def _encode_embeds(self, rows: list[torch.Tensor]) -> list:
+        if self.encoder_graphs is not None:
+            replayed = self._counted(self.encoder_graphs.encode_embeds(rows))
+            if replayed is not None:
+                return replayed
+        self.stats["encoder_passes"] += 1
+        lengths = [int(row.shape[0]) for row in rows]
+        longest = max(lengths)
+        embeds = torch.stack([F.pad(row, (0, 0, longest - row.shape[0], 0)) for row in rows])
+        return self._encode_eager(embeds, lengths)
+
+    def _counted(self, replayed: list | None) -> list | None:
+        """`replayed` as it is, a pass on the encoder graphs' static path counted where there was one:
+        a replay, or a large batch's ungraphed pass."""
+        if replayed is not None:
+            self.stats["encoder_passes"] += 1
+            graphed = self.encoder_graphs.last_graphed
+            self.stats["encoder_graph_replays" if graphed else "encoder_unbucketed_passes"] += 1
+        return replayed
+
+    def _left_padded(self, rows: list[list[int]]) -> torch.Tensor:
+        longest = max(len(ids) for ids in rows)
+        pad = self._pad_id()
+        return torch.tensor([[pad] * (longest - len(ids)) + ids for ids in rows], device=self.device)
+
+    def _encode_eager(self, embeds: torch.Tensor, lengths: list[int]) -> list:
+        """The eager encoder pass over left-padded embeddings; each row's layers, left padding dropped."""
+        longest = int(embeds.shape[1])
+        attention = None  # no padding: no mask, so SDPA runs its causal kernels (a mask is ~4x slower at 8k)
+        if min(lengths) < longest:
+            attention = torch.tensor([[0] * (longest - n) + [1] * n for n in lengths], device=self.device)
+        offsets = torch.tensor([longest - n for n in lengths], device=self.device).unsqueeze(1)
+        positions = (torch.arange(longest, device=self.device).unsqueeze(0) - offsets).clamp_min(0)
+        cache = self._new_cache()
+        self.model.model.encoder.language_model(inputs_embeds=embeds, attention_mask=attention,
+                                                position_ids=positions, past_key_values=cache)
+        rows = []
+        for row, length in enumerate(lengths):
+            layers = []
+            for layer in cache.layers:
+                start = max(0, layer.keys.shape[2] - length)  # drop the left padding this layer still holds
+                layers.append((layer.keys[row:row + 1, :, start:], layer.values[row:row + 1, :, start:]))
+            rows.append(layers)
+        return copy_rows(rows)  # laid out as the encoder graphs leave KV (prompt_graphs.py)
+
+    def _too_long(self, length: int) -> EngineInputError:
+        return EngineInputError(
+            f"the prompt is {length} tokens; this server reads at most {self.max_prompt_tokens}",
+            status=400, param="state", error_type="max_tokens_exceeded",
+        )

@@ -1,0 +1,544 @@
+"""Engine `hf`: transformers' DiffusionGemmaForBlockDiffusion in this process, CPU or CUDA.
+
+Reads and generations from every request go into one bounded FIFO queue; a single loop takes what
+is waiting (reads up to a row budget, or one pass of a generation), runs it on the one engine
+thread, and hands results back. Reads that arrive together share one decoder pass (see
+`diffusion.py`), so N concurrent decisions cost far fewer model calls than N. The loop keeps the
+scheduling contract of `app/engine/base.py`.
+
+Images are decoded and run through the image processor before their read or generation is queued, in
+a small pool of image workers (tens of ms a camera frame that would otherwise hold the engine thread,
+and every reader behind it); the result rides with the job, so the engine thread only uploads pixels
+(on CUDA also rescales, patches and pads them there: app/engine/hf/pixels.py) and runs the vision tower,
+and nothing outlives the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import sys
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+
+from app.engine.base import (
+    EngineError,
+    EngineInputError,
+    EngineUnavailable,
+    GenerateChunk,
+    GenerateResult,
+    GenerateSpec,
+    Prompt,
+    ReaderInfo,
+    ReadResult,
+    ReadSpec,
+    collect,
+    describe,
+)
+
+if TYPE_CHECKING:
+    from app.engine.hf.prompts import Preprocessed, ProcessedImages
+
+
+log = logging.getLogger("djev.engine")
+
+
+@dataclass(frozen=True)
+class HFOptions:
+    """What the hf engine is told; built from Settings by `app.cli.hf_options` (defaults live there)."""
+
+    device: str  # "auto", "cpu", "cuda", "cuda:1", ...
+    max_prompt_tokens: int
+    kv_cache_entries: int
+    max_batch_rows: int
+    gather_ms: float  # the most a read batch waits for more reads before it starts (0 = not at all)
+    queue_limit: int
+    served_name: str
+    canvas_length: int
+    tiny: bool
+    torch_threads: int  # 0 = torch's default
+    cuda_graphs: bool  # replay decoder passes as CUDA graphs (CUDA only)
+    torch_compile: bool = False  # compile the split layers and the vision layers, CUDA only (app/engine/hf/compiled.py)
+    fused_moe: bool = False  # the experts as Triton kernels, CUDA only (app/engine/hf/moe/fused.py)
+
+
+def pick_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def settle_heap() -> None:
+    """Set every object alive now (the model, the libraries, the compiled code) aside from the
+    garbage collector's passes, which otherwise walk them all in every full pass: several hundred
+    thousand objects, ~170 ms a pass on this project's CPU box, and a 32-prompt read on an H200
+    that now and then took 500 ms more than its median (docs/benchmarks.md). Called once the model
+    is loaded and warmed up (they stay alive for good, so cyclic garbage of the start-up stays too:
+    a few objects, once). Cheap; counting what it set aside (`gc.get_freeze_count`) walks them all."""
+    gc.freeze()
+
+
+def built_count(runner: Any) -> int:
+    """CUDA graphs the runner has captured plus graphs torch.compile has built, so far: both leave
+    long-lived objects behind (hundreds of thousands for a compile), which `settle_heap` should set
+    aside again, or every full pass of the collector walks them (150-200 ms pauses measured on the
+    H200 after the levels of a load compiled new shapes: docs/benchmarks.md)."""
+    total = 0
+    for name in ("graphs", "encoder_graphs", "vision_graphs"):
+        total += getattr(getattr(runner, name, None), "captures", 0)
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    if dynamo is not None:
+        total += int(dynamo.counters["stats"].get("unique_graphs", 0))
+    return total
+
+
+def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
+    """Load a local DiffusionGemma checkpoint directory (config, weights, tokenizer, processor)."""
+    import torch
+    from transformers import AutoImageProcessor, AutoTokenizer, DiffusionGemmaForBlockDiffusion
+
+    from app.engine.hf.runner import DiffusionRunner
+    from app.engine.tokenizer import HFChatTokenizer
+
+    path = Path(checkpoint)
+    if options.torch_threads > 0:
+        torch.set_num_threads(options.torch_threads)
+    device_name = pick_device(options.device)
+    device = torch.device(device_name)
+    on_cuda = device.type == "cuda"
+    kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if on_cuda else torch.float32, "attn_implementation": "sdpa"}
+    if on_cuda:
+        # The eager loop over experts is 13x slower on an H200 (docs/design.md §4.2).
+        kwargs["experts_implementation"] = "grouped_mm"
+    log.info("loading %s on %s (%s)", path, device_name, kwargs["dtype"])
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), **kwargs).to(device).eval()
+    if options.fused_moe and on_cuda:
+        from app.engine.hf.moe.fused import use_fused_experts
+
+        reason = use_fused_experts(model)
+        if reason is None:
+            log.info("experts: djev's Triton kernels (FUSED_MOE)")
+        else:
+            log.warning("experts: grouped_mm, the Triton kernels cannot run this model: %s", reason)
+    compiled = options.torch_compile and on_cuda
+    if compiled:
+        from app.engine.hf.compiled import compile_layers
+
+        compile_layers(model)
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(path))
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(str(path), backend="pil")
+    except Exception as exc:  # noqa: BLE001 - a checkpoint without an image processor still reads text
+        log.warning("no image processor in %s (%s): image states will be refused", path, exc)
+        image_processor = None
+    tokenizer = HFChatTokenizer(
+        hf_tokenizer, vocab_size=int(model.config.text_config.vocab_size), image_token_id=int(model.config.image_token_id)
+    )
+    runner = DiffusionRunner(
+        model,
+        image_processor,
+        device=device,
+        max_prompt_tokens=options.max_prompt_tokens,
+        kv_entries=options.kv_cache_entries,
+        max_rows=options.max_batch_rows,
+        generation=_generation_settings(model),
+        cuda_graphs=options.cuda_graphs,
+    )
+    if compiled:
+        from app.engine.hf.compiled import warm_up
+
+        log.info("compiling the model's layers before the first request (TORCH_COMPILE) ...")
+        log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
+    settle_heap()  # at start-up, so the count's walk of the heap costs nothing under load
+    log.info("%d objects set aside from the garbage collector's full passes", gc.get_freeze_count())
+    device_label = torch.cuda.get_device_name(device) if on_cuda else "cpu"
+    info = ReaderInfo(
+        model=options.served_name or path.name,
+        engine="hf",
+        device=device_label,
+        tiny=options.tiny,
+        canvas_length=options.canvas_length,
+        checkpoint=str(path),
+    )
+    return HFReader(runner, tokenizer, info, options)
+
+
+def _generation_settings(model: Any) -> dict:
+    config = getattr(model, "generation_config", None)
+    settings: dict = {}
+    for name in ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold"):
+        value = getattr(config, name, None)
+        if value is not None:
+            settings[name] = value
+    sampler = getattr(config, "sampler_config", None)
+    bound = getattr(sampler, "entropy_bound", None) if sampler is not None else None
+    if bound is not None:
+        settings["entropy_bound"] = bound
+    return settings
+
+
+def _cache_keys(prompts: Sequence[Prompt]) -> list[tuple]:
+    return [prompt.cache_key for prompt in prompts]
+
+
+class _ReadJob:
+    """Reads of one caller, waiting for a batch, with their images preprocessed."""
+
+    def __init__(self, specs: list[ReadSpec], future: asyncio.Future, images: Preprocessed) -> None:
+        self.specs = specs
+        self.future = future
+        self.rows = sum(len(spec.canvases) for spec in specs)
+        self.images = images
+
+    @property
+    def dropped(self) -> bool:
+        return self.future.done()  # cancelled by its caller (deadline, disconnect) or already failed
+
+
+class _GenerateJob:
+    """A generation that takes one model pass per turn, then goes back to the end of the queue."""
+
+    def __init__(self, spec: GenerateSpec, images: Preprocessed) -> None:
+        self.spec = spec
+        self.images = images  # for its first pass (the prompt's encoding)
+        self.chunks: asyncio.Queue[GenerateChunk | BaseException] = asyncio.Queue()
+        self.state: Any = None  # the runner's Generation, once its prompt is encoded
+        self.cancelled = False
+
+    @property
+    def dropped(self) -> bool:
+        return self.cancelled
+
+
+_Job = _ReadJob | _GenerateJob
+
+
+class HFReader:
+    """The scheduling front of the hf engine: one FIFO queue, one loop, one engine thread.
+
+    Each turn the loop takes the head of the queue. Reads at the head are batched together, in
+    arrival order, up to MAX_BATCH_ROWS canvases: a read never waits behind a later one, so it waits
+    at most for the batch running when it arrived plus the batches of the reads ahead of it. A
+    generation runs ONE model pass per turn and is then queued again at the end, so a read waits at
+    most one pass behind any generation. Work whose caller went away (its awaiting task cancelled)
+    is dropped when its turn comes, and a running generation stops at its next pass.
+
+    Images the engine thread would have to decode are preprocessed in `image_workers` threads before
+    the job is queued. At most `image_budget` preprocessed images (a few MiB each) wait in the queue;
+    past that, a job goes without and the engine thread decodes its images as it always could.
+    """
+
+    image_workers = min(4, os.cpu_count() or 1)
+    image_budget = 64
+
+    def __init__(self, runner: Any, tokenizer: Any, info: ReaderInfo, options: HFOptions) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.info = info
+        self.options = options
+        self._queue: deque[_Job] = deque()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._busy = False  # the last read batch served several callers, or more were waiting
+        self._last_rows = 0  # canvases in the last read batch: the callers likely to come back under load
+        self._built = built_count(runner)  # graphs captured and compiled when the heap was last settled
+        self._image_executor: ThreadPoolExecutor | None = None
+        self._images_held = 0  # preprocessed images reserved or riding with queued jobs
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return {**self.runner.stats, "queue_depth": len(self._queue)}
+
+    @property
+    def ready(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is not None:
+            if self._event_loop is not loop:
+                raise RuntimeError("this reader already runs in another event loop; give each app its own reader")
+            return
+        self._event_loop = loop
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="djev-engine",
+                                            initializer=self._setup_engine_thread)
+        self._image_executor = ThreadPoolExecutor(max_workers=self.image_workers, thread_name_prefix="djev-images")
+        self._task = asyncio.create_task(self._loop(), name="djev-batching-loop")
+
+    def _setup_engine_thread(self) -> None:
+        if self.options.torch_compile and self.runner.device.type == "cuda":  # torch.compile's limits are per thread
+            from app.engine.hf.compiled import configure_thread
+
+            configure_thread()
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        self._event_loop = None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        while self._queue:
+            job = self._queue.popleft()
+            self._release(job)
+            self._fail(job, EngineUnavailable("the engine stopped"))
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        images, self._image_executor = self._image_executor, None
+        if images is not None:
+            images.shutdown(wait=False)  # a frame still decoding finishes; its caller then gets EngineUnavailable
+
+    # ------------------------------------------------------------------ callers
+
+    async def read(self, specs: Sequence[ReadSpec]) -> list[ReadResult]:
+        if not specs:
+            return []
+        self._admit()
+        images = await self._preprocess([spec.prompt for spec in specs], reuse=True)
+        job = _ReadJob(list(specs), asyncio.get_running_loop().create_future(), images)
+        self._submit(job)
+        return await job.future
+
+    async def generate(self, spec: GenerateSpec) -> GenerateResult:
+        return await collect(self.stream(spec))
+
+    async def stream(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
+        self._admit()
+        job = _GenerateJob(spec, await self._preprocess([spec.prompt], reuse=False))
+        self._submit(job)
+        try:
+            while True:
+                item = await job.chunks.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.done:
+                    return
+        finally:
+            job.cancelled = True  # the caller stopped listening: the loop drops it at its next turn
+
+    def _admit(self) -> None:
+        if self._wakeup is None or not self.ready:
+            raise EngineUnavailable("the engine is not running")
+        if len(self._queue) >= self.options.queue_limit:
+            raise EngineUnavailable("the engine queue is full")
+
+    def _submit(self, job: _Job) -> None:
+        try:
+            self._admit()  # again: the engine may have stopped, or the queue filled, while images decoded
+        except EngineUnavailable:
+            self._release(job)
+            raise
+        assert self._wakeup is not None
+        self._queue.append(job)
+        self._wakeup.set()
+
+    # ------------------------------------------------------------------ images
+
+    async def _preprocess(self, prompts: Sequence[Prompt], *, reuse: bool) -> Preprocessed:
+        """The images of `prompts` that the engine thread would otherwise decode (not already known
+        to its LRUs when the job may `reuse` them), decoded and processed in the image workers, once
+        per distinct set, within `image_budget`. A set that cannot be read maps to its
+        EngineInputError, raised on the engine thread where inline decoding would raise it, so a
+        bad image fails exactly the reads it failed before."""
+        with_images = [prompt for prompt in prompts if prompt.images]
+        executor = self._image_executor
+        if not with_images or executor is None:
+            return {}
+        loop = asyncio.get_running_loop()
+        # The cache keys hash every image's bytes (up to MAX_TOTAL_IMAGE_BYTES): here, in a worker, once per
+        # prompt (`Prompt.cache_key` keeps them), so neither the event loop nor the engine thread hashes.
+        keys = await loop.run_in_executor(executor, _cache_keys, with_images)
+        wanted: dict[tuple, Prompt] = {}
+        room = self.image_budget - self._images_held
+        for prompt, key in zip(with_images, keys):
+            digests = key[1]
+            if digests in wanted or len(digests) > room or (reuse and self.runner.images_cached(key)):
+                continue
+            wanted[digests] = prompt
+            room -= len(digests)
+        if not wanted:
+            return {}
+        reserved = sum(len(digests) for digests in wanted)
+        self._images_held += reserved
+        try:
+            outcomes = await asyncio.gather(
+                *(loop.run_in_executor(executor, self._preprocess_one, prompt) for prompt in wanted.values()))
+        except BaseException as exc:
+            self._images_held -= reserved
+            if isinstance(exc, Exception):
+                log.exception("image preprocessing failure")
+                raise EngineError(f"engine failure: {describe(exc)}") from exc
+            raise  # cancelled: the caller went away; the workers' results are dropped
+        self.runner.stats["images_preprocessed"] += len(wanted)
+        return dict(zip(wanted, outcomes))
+
+    def _preprocess_one(self, prompt: Prompt) -> "ProcessedImages | EngineInputError":
+        """In an image worker: the prompt's images ready for upload, or why they cannot be read."""
+        try:
+            return self.runner.preprocess(prompt)
+        except EngineInputError as exc:
+            return exc
+
+    def _release(self, job: _Job) -> Preprocessed:
+        """Take the job's preprocessed images (once) and give their room back to the budget."""
+        images, job.images = job.images, {}
+        self._images_held -= sum(len(digests) for digests in images)
+        return images
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _loop(self) -> None:
+        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            job = self._queue.popleft()
+            if job.dropped:
+                self._release(job)
+                continue
+            if isinstance(job, _GenerateJob):
+                await self._generation_turn(loop, job)
+                continue
+            if self.options.gather_ms > 0 and self._busy and job.rows < self.options.max_batch_rows:
+                # Under load, closed-loop clients otherwise split into two half-batches that take
+                # turns; a short wait lets the reads being planned right now join this batch. A lone
+                # caller (the last batch served one job) never waits.
+                try:
+                    await self._gather(job)
+                except asyncio.CancelledError:  # the engine stops: back in the queue, which stop() fails
+                    self._queue.appendleft(job)
+                    raise
+            batch = [job]
+            rows = job.rows
+            while self._queue and isinstance(self._queue[0], _ReadJob):
+                nxt = self._queue[0]
+                if nxt.dropped:
+                    self._release(self._queue.popleft())
+                    continue
+                if rows + nxt.rows > self.options.max_batch_rows:
+                    break
+                batch.append(self._queue.popleft())
+                rows += nxt.rows
+            await self._read_batch(loop, batch)
+
+    async def _gather(self, first: _ReadJob) -> None:
+        """Wait up to `gather_ms` for more reads to join `first`'s batch, ending as soon as the queue
+        holds as many canvases as the last batch had (the callers it served, back with their next
+        read) or a full batch: the wait costs nothing once they are all in, and a caller a little
+        late still rides this batch rather than the next (measured: docs/benchmarks.md)."""
+        assert self._wakeup is not None
+        deadline = asyncio.get_running_loop().time() + self.options.gather_ms / 1000
+        wanted = min(max(self._last_rows, 2), self.options.max_batch_rows)
+        try:
+            async with asyncio.timeout_at(deadline):
+                while first.rows + self._queued_read_rows() < wanted:
+                    self._wakeup.clear()  # _submit sets it for every job it queues
+                    await self._wakeup.wait()
+        except TimeoutError:
+            return
+
+    def _queued_read_rows(self) -> int:
+        """Canvases of the read jobs at the head of the queue (what a batch formed now would take)."""
+        rows = 0
+        for job in self._queue:
+            if not isinstance(job, _ReadJob):
+                break
+            if not job.dropped:
+                rows += job.rows
+        return rows
+
+    def _settle_if_built(self) -> None:
+        """After a pass that captured or compiled a new graph, set the heap aside again."""
+        built = built_count(self.runner)
+        if built != self._built:
+            self._built = built
+            settle_heap()
+            log.info("new graphs built (%d so far): the heap set aside from the collector's passes again", built)
+
+    async def _read_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_ReadJob]) -> None:
+        self._busy = len(batch) > 1 or bool(self._queue)
+        self._last_rows = sum(job.rows for job in batch)
+        specs = [spec for job in batch for spec in job.specs]
+        images: dict[tuple, Any] = {}
+        for job in batch:
+            images.update(self._release(job))
+        try:
+            results = await loop.run_in_executor(self._executor, self.runner.read, specs, images)
+        except asyncio.CancelledError:
+            for job in batch:
+                self._fail(job, EngineUnavailable("the engine stopped"))
+            raise
+        except EngineInputError as exc:
+            for job in batch:
+                self._fail(job, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a model failure must reach every waiting request
+            log.exception("engine failure")
+            for job in batch:
+                self._fail(job, EngineError(f"engine failure: {describe(exc)}"))
+            return
+        self._settle_if_built()
+        self.runner.stats["batches"] += 1
+        offset = 0
+        for job in batch:
+            mine = results[offset:offset + len(job.specs)]
+            offset += len(job.specs)
+            if job.future.done():
+                continue
+            failure = next((r for r in mine if isinstance(r, Exception)), None)
+            if failure is not None:
+                job.future.set_exception(failure)
+            else:
+                job.future.set_result(mine)
+
+    async def _generation_turn(self, loop: asyncio.AbstractEventLoop, job: _GenerateJob) -> None:
+        """One model pass of a generation (its prompt encoding is the first), then back in line."""
+        try:
+            chunk = await loop.run_in_executor(self._executor, self._generation_pass, job, self._release(job))
+        except asyncio.CancelledError:
+            self._fail(job, EngineUnavailable("the engine stopped"))
+            raise
+        except EngineInputError as exc:
+            self._fail(job, exc)
+            return
+        except Exception as exc:  # noqa: BLE001
+            log.exception("engine failure during generation")
+            self._fail(job, EngineError(f"engine failure: {describe(exc)}"))
+            return
+        self._settle_if_built()
+        if chunk is not None:
+            job.chunks.put_nowait(chunk)
+            if chunk.done:
+                return
+        if not job.cancelled:
+            self._queue.append(job)
+
+    def _generation_pass(self, job: _GenerateJob, images: Preprocessed) -> GenerateChunk | None:
+        if job.state is None:
+            job.state = self.runner.start_generation(job.spec, self.info.canvas_length, images)
+            return None
+        return self.runner.step_generation(job.state)
+
+    @staticmethod
+    def _fail(job: _Job, exc: BaseException) -> None:
+        if isinstance(job, _ReadJob):
+            if not job.future.done():
+                job.future.set_exception(exc)
+        elif not job.cancelled:
+            job.chunks.put_nowait(exc)

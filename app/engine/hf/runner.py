@@ -1,0 +1,269 @@
+"""The torch side of the hf engine: batched reads of seeded canvases on transformers'
+DiffusionGemmaForBlockDiffusion, with prompt encoding (app/engine/hf/prompts.py) and block-diffusion
+generation (app/engine/hf/generation.py) mixed in.
+
+Everything here runs on the engine's single worker thread, except `preprocess` (image decoding and
+the image processor, app/engine/hf/prompts.py), which HFReader runs in worker threads before queueing,
+and `images_cached`, which only looks into the LRUs.
+
+A read: the prompt is encoded once into a KV cache (causal encoder pass, replayed as a CUDA graph
+where a bucket fits; kept in a bounded LRU keyed by prompt ids and image digests), then every canvas
+of every read in the batch goes through ONE bidirectional decoder pass (replayed as a CUDA graph,
+app/engine/hf/graphs/decoder.py): the prompt caches are left-padded to a common length and stacked, and an
+explicit mask keeps each canvas on its own prompt and its own width. Logits are computed only at the
+slots, so a 262k-token vocabulary costs rows x slots, not rows x canvas width.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from app.engine.base import ReadResult, ReadSpec, SlotRead
+from app.engine.hf.generation import GenerationMixin
+from app.engine.hf.pixels import splittable
+from app.engine.hf.prompts import (
+    EncodedPrompt,
+    Preprocessed,
+    PREFIX_ENTRIES,
+    PrefixIndex,
+    PromptCache,
+    PromptEncodingMixin,
+)
+from app.engine.hf.sampler import sample_step, softcap, temperature_at
+
+# HF's sampler defaults for DiffusionGemma (DiffusionGemmaGenerationConfig._get_default_generation_params);
+# a checkpoint's generation_config.json overrides them.
+GENERATION_DEFAULTS = {
+    "max_denoising_steps": 48,
+    "t_min": 0.4,
+    "t_max": 0.8,
+    "entropy_bound": 0.1,
+    "stability_threshold": 1,
+    "confidence_threshold": 0.005,
+}
+
+
+# Slot positions unembedded at once: their fp32 logits are SLOT_CHUNK x vocab (256 MiB for the
+# 262k vocabulary).
+SLOT_CHUNK = 256
+
+
+class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
+    def __init__(
+        self,
+        model: Any,
+        image_processor: Any,
+        *,
+        device: torch.device,
+        max_prompt_tokens: int,
+        kv_entries: int,
+        max_rows: int,
+        generation: dict | None = None,
+        cuda_graphs: bool = False,
+    ) -> None:
+        self.model = model
+        self.image_processor = image_processor
+        self.device = device
+        self.split_pixels = device.type == "cuda" and image_processor is not None and splittable(image_processor)
+        self.config = model.config
+        self.text_config = model.config.text_config
+        self.layer_types: list[str] = list(self.text_config.layer_types)
+        self.softcap = getattr(self.text_config, "final_logit_softcapping", None)
+        self.vocab_size = int(self.text_config.vocab_size)
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_rows = max(1, max_rows)
+        self.prompts = PromptCache(kv_entries)
+        # Image features by the images' digests: a frame restated in a later stage skips the vision
+        # tower (a few MiB an entry).
+        self.vision = PromptCache(min(kv_entries, 16))
+        # Shared prefixes' KV (a question sheet's system turn), and where prompts' prefixes were seen.
+        self.prefixes = PromptCache(min(kv_entries, PREFIX_ENTRIES))
+        self.prefix_index = PrefixIndex()
+        self.generation = {**GENERATION_DEFAULTS, **(generation or {})}
+        self.stats: Counter[str] = Counter()
+        self.graphs = None
+        self.encoder_graphs = None
+        self.vision_graphs = None
+        if cuda_graphs and device.type == "cuda":
+            from app.engine.hf.graphs.decoder import DecoderGraphs
+            from app.engine.hf.graphs.encoder import EncoderGraphs
+            from app.engine.hf.graphs.vision import VisionGraphs
+
+            if getattr(model.model.encoder, "vision_tower", None) is not None:
+                self.vision_graphs = VisionGraphs(model, device, capture=True)
+
+            self.graphs = DecoderGraphs(model, self.layer_types, device, pad_id=self._pad_id(), capture=True)
+            self.encoder_graphs = EncoderGraphs(model, self.layer_types, device, capture=True,
+                                                sliding_window=int(self.text_config.sliding_window))
+
+
+    def clear_caches(self) -> None:
+        """Forget every encoded prompt, image feature and shared prefix (the warm-up's)."""
+        for cache in (self.prompts, self.vision, self.prefixes, self.prefix_index):
+            cache.clear()
+
+    # ------------------------------------------------------------------ decoder passes
+
+    def _decoder_hidden(
+        self,
+        rows: Sequence[tuple[EncodedPrompt, Sequence[int]]],
+        self_conditioning_logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One bidirectional decoder pass over every row's canvas; returns hidden states [B, W, H]."""
+        from transformers.cache_utils import DynamicCache
+
+        if self.graphs is not None:
+            replayed = self.graphs.hidden(rows, self_conditioning_logits)
+            if replayed is not None:
+                self.stats["decoder_passes"] += 1
+                self.stats["decoder_rows"] += len(rows)
+                self.stats["graph_replays"] += 1
+                return replayed
+
+        batch = len(rows)
+        width = max(len(canvas) for _, canvas in rows)
+        stacked = DynamicCache()  # full layers only: it holds exactly what we stack, no truncation
+        lengths_by_type: dict[str, list[int]] = {}
+        for layer_index, layer_type in enumerate(self.layer_types):
+            keys = [encoded.layers[layer_index][0] for encoded, _ in rows]
+            values = [encoded.layers[layer_index][1] for encoded, _ in rows]
+            longest = max(k.shape[2] for k in keys)
+            padded_keys = torch.cat([F.pad(k, (0, 0, longest - k.shape[2], 0)) for k in keys])
+            padded_values = torch.cat([F.pad(v, (0, 0, longest - v.shape[2], 0)) for v in values])
+            stacked.update(padded_keys, padded_values, layer_index)
+            lengths_by_type.setdefault(layer_type, [k.shape[2] for k in keys])
+
+        masks = {}
+        for layer_type, lengths in lengths_by_type.items():
+            longest = max(lengths)
+            mask = torch.zeros(batch, 1, width, longest + width, dtype=torch.bool, device=self.device)
+            for row, (length, (_, canvas)) in enumerate(zip(lengths, rows)):
+                mask[row, :, :, longest - length:longest] = True
+                mask[row, :, :, longest:longest + len(canvas)] = True
+            masks[layer_type] = mask
+
+        canvas_ids = torch.full((batch, width), self._pad_id(), dtype=torch.long)
+        positions = torch.zeros((batch, width), dtype=torch.long)
+        for row, (encoded, canvas) in enumerate(rows):
+            canvas_ids[row, : len(canvas)] = torch.tensor(canvas, dtype=torch.long)
+            positions[row] = encoded.length + torch.arange(width)
+        output = self.model.model(
+            past_key_values=stacked,
+            decoder_input_ids=canvas_ids.to(self.device),
+            decoder_attention_mask=masks,
+            decoder_position_ids=positions.to(self.device),
+            self_conditioning_logits=self_conditioning_logits,
+        )
+        self.stats["decoder_passes"] += 1
+        self.stats["decoder_rows"] += batch
+        return output.last_hidden_state
+
+    def _pad_id(self) -> int:
+        return int(self.text_config.pad_token_id or 0)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return softcap(self.model.lm_head(hidden), self.softcap)
+
+    # ------------------------------------------------------------------ reads
+
+    @torch.no_grad()
+    def read(self, specs: Sequence[ReadSpec], preprocessed: Preprocessed | None = None) -> list[ReadResult | Exception]:
+        """Run a batch of reads; a spec whose prompt cannot be read gets its exception instead.
+        `preprocessed` holds images already decoded and processed off this thread (HFReader);
+        images missing there are preprocessed here."""
+        results: list[ReadResult | Exception | None] = [None] * len(specs)
+        encoded: dict[int, EncodedPrompt] = {}
+        for index, outcome in enumerate(self.encode_many([spec.prompt for spec in specs], preprocessed)):
+            if isinstance(outcome, Exception):
+                results[index] = outcome
+            else:
+                encoded[index] = outcome
+        by_steps: dict[int, list[int]] = {}
+        for index in encoded:
+            by_steps.setdefault(specs[index].steps, []).append(index)
+        for steps, indices in by_steps.items():
+            rows = [(index, canvas_no) for index in indices for canvas_no in range(len(specs[index].canvases))]
+            reads: dict[tuple[int, int], tuple[SlotRead, ...]] = {}
+            for start in range(0, len(rows), self.max_rows):
+                chunk = rows[start:start + self.max_rows]
+                for key, slot_reads in zip(chunk, self._read_rows(specs, encoded, chunk, steps)):
+                    reads[key] = slot_reads
+            for index in indices:
+                spec = specs[index]
+                results[index] = ReadResult(
+                    slots=tuple(reads[(index, canvas_no)] for canvas_no in range(len(spec.canvases))),
+                    prompt_tokens=encoded[index].length,
+                )
+        self.stats["reads"] += len(specs)
+        return results  # type: ignore[return-value]
+
+    def _read_rows(
+        self,
+        specs: Sequence[ReadSpec],
+        encoded: dict[int, EncodedPrompt],
+        rows: Sequence[tuple[int, int]],
+        steps: int,
+    ) -> list[tuple[SlotRead, ...]]:
+        canvases = [list(specs[index].canvases[canvas_no]) for index, canvas_no in rows]
+        prompts = [encoded[index] for index, _ in rows]
+        self_conditioning = None
+        generators = [self._generator(specs[index].seed * 1000003 + canvas_no) for index, canvas_no in rows]
+        for remaining in range(steps, 0, -1):
+            hidden = self._decoder_hidden(list(zip(prompts, canvases)), self_conditioning)
+            if remaining == 1:
+                return self._slot_reads(hidden, [specs[index] for index, _ in rows])
+            # Another step follows: only the slots move; every other position stays pinned.
+            temperature = temperature_at(remaining, steps, self.generation["t_min"], self.generation["t_max"])
+            logits = self._logits(hidden)
+            for row, (index, _) in enumerate(rows):
+                slots = torch.tensor(specs[index].slots, device=self.device)
+                self._denoise_positions(canvases[row], logits[row, slots], temperature, list(specs[index].slots),
+                                        generators[row])
+            self_conditioning = (logits / temperature).to(self.model.dtype)
+        raise AssertionError("unreachable: steps >= 1")
+
+    def _slot_reads(self, hidden: torch.Tensor, specs: Sequence[ReadSpec]) -> list[tuple[SlotRead, ...]]:
+        """Every row's slot reads from the decoder's hidden states [rows, width, H] (row r holds a
+        canvas of specs[r]): the slots of all rows go through the unembedding together, SLOT_CHUNK
+        at a time (the 262k-row matrix is read once per chunk, not once per canvas), and each chunk's
+        label log-probabilities and argmaxes come to the host in one copy."""
+        slots = [(row, position, label_ids) for row, spec in enumerate(specs)
+                 for position, label_ids in zip(spec.slots, spec.label_ids)]
+        values: list[float] = []
+        argmaxes: list[int] = []
+        for start in range(0, len(slots), SLOT_CHUNK):
+            chunk = slots[start:start + SLOT_CHUNK]
+            rows = torch.tensor([row for row, _, _ in chunk], device=self.device)
+            positions = torch.tensor([position for _, position, _ in chunk], device=self.device)
+            logprobs = torch.log_softmax(self._logits(hidden[rows, positions]), dim=-1)
+            label_slots = torch.tensor([i for i, (_, _, ids) in enumerate(chunk) for _ in ids], dtype=torch.long,
+                                       device=self.device)
+            label_ids = torch.tensor([t for _, _, ids in chunk for t in ids], dtype=torch.long, device=self.device)
+            both = torch.cat([logprobs[label_slots, label_ids].double(), logprobs.argmax(dim=-1).double()]).tolist()
+            values.extend(both[: len(label_ids)])
+            argmaxes.extend(int(v) for v in both[len(label_ids):])
+        reads: list[list[SlotRead]] = [[] for _ in specs]
+        offset = 0
+        for (row, _, label_ids), argmax in zip(slots, argmaxes):
+            reads[row].append(SlotRead(label_logprobs=tuple(values[offset:offset + len(label_ids)]), argmax_id=argmax))
+            offset += len(label_ids)
+        return [tuple(row_reads) for row_reads in reads]
+
+    def _generator(self, seed: int) -> torch.Generator:
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed % (2**63))
+        return generator
+
+    def _denoise_positions(
+        self, canvas: list[int], logits: torch.Tensor, temperature: float, positions: list[int],
+        generator: torch.Generator,
+    ) -> None:
+        """One sampler step at `positions` of `canvas` (in place)."""
+        step = sample_step(logits, temperature, top_p=1.0, entropy_bound=self.generation["entropy_bound"],
+                           vocab_size=self.vocab_size, generator=generator)
+        for position, token in zip(positions, step.tokens.tolist()):
+            canvas[position] = int(token)

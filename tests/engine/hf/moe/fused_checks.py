@@ -1,0 +1,123 @@
+"""Run by tests/engine/hf/moe/test_fused.py in the CPU vLLM venv (.venv-vllm has Triton; the main venv
+does not need it) with TRITON_INTERPRET=1: Triton's interpreter runs the experts' kernels on CPU
+tensors. Prints one JSON object of measurements; the test asserts on them.
+
+    python tests/engine/hf/moe/fused_checks.py TINY_CHECKPOINT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
+
+import torch  # noqa: E402
+import torch._dynamo.utils  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from app.engine.hf.moe import fused as fused_moe  # noqa: E402
+from bench.bench_gpu_moe import Experts  # noqa: E402 - grouped_mm's view of an experts module
+
+
+def exact(x, index, weights, gate_up, down):
+    """The experts in float64, from the same (rounded) inputs: the yardstick for both paths."""
+    x, gate_up, down = x.double(), gate_up.double(), down.double()
+    out = torch.zeros_like(x)
+    for token in range(x.shape[0]):
+        for slot in range(index.shape[1]):
+            expert = int(index[token, slot])
+            gate, up = F.linear(x[token], gate_up[expert]).chunk(2)
+            out[token] += weights[token, slot].double() * F.linear(F.gelu(gate, approximate="tanh") * up, down[expert])
+    return out
+
+
+def kernel_cases() -> list[dict]:
+    """Each tile configuration, in float32 and bfloat16, against float64 and against transformers'
+    grouped_mm experts on the same inputs (an expert no token chose included)."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    results = []
+    generator = torch.Generator().manual_seed(0)
+    shapes = {  # tokens, hidden, inter, experts, top_k: pairs per expert picks each config
+        "16": (6, 64, 48, 8, 2),
+        "32": (40, 96, 48, 4, 3),
+        "64": (100, 64, 160, 4, 2),
+        "128": (300, 64, 32, 2, 2),
+    }
+    for name, (tokens, hidden, inter, experts, top_k) in shapes.items():
+        config = fused_moe.block_config(tokens * top_k, experts)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(tokens, hidden, generator=generator).to(dtype)
+            gate_up = (torch.randn(experts, 2 * inter, hidden, generator=generator) / hidden ** 0.5).to(dtype)
+            down = (torch.randn(experts, hidden, inter, generator=generator) / inter ** 0.5).to(dtype)
+            choices = experts - 1 if experts > top_k else experts  # the last expert left out when possible
+            index = torch.stack([torch.randperm(choices, generator=generator)[:top_k] for _ in range(tokens)])
+            weights = torch.rand(tokens, top_k, generator=generator)
+            want = exact(x, index, weights, gate_up, down)
+            module = Experts(gate_up, down)
+            got = fused_moe.experts_forward(module, x, index, weights)
+            library = grouped_mm_experts_forward(module, x, index, weights)
+            results.append({
+                "case": name, "dtype": str(dtype).removeprefix("torch."), "block_m": config.block_m,
+                "shape": list(got.shape), "out_dtype": str(got.dtype).removeprefix("torch."),
+                "fused_error": (got.double() - want).abs().max().item(),
+                "library_error": (library.double() - want).abs().max().item(),
+                "vs_library": (got.double() - library.double()).abs().max().item(),
+                "scale": want.abs().max().item(),
+            })
+    return results
+
+
+def model_case(checkpoint: str) -> dict:
+    """The tiny model's decoder hidden states with transformers' experts, with the kernels, and with
+    the kernels under torch.compile (aot_eager: the custom op is opaque to the compiler, as it is to
+    inductor on the GPU)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.cache_utils import DynamicCache
+
+    from app.engine.hf.compiled import compile_layers
+
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint, dtype=torch.float32,
+                                                            attn_implementation="sdpa").eval()
+    ids = torch.arange(100, 140).unsqueeze(0)
+    canvas = torch.arange(200, 216).unsqueeze(0)
+
+    @torch.no_grad()
+    def hidden(rows: int = 1):
+        cache = DynamicCache()
+        model.model.encoder(input_ids=ids.expand(rows, -1), past_key_values=cache, use_cache=True)
+        return model.model(past_key_values=cache, decoder_input_ids=canvas.expand(rows, -1),
+                           decoder_position_ids=torch.arange(40, 56).expand(rows, -1)).last_hidden_state
+
+    before = model.config._experts_implementation
+    library = hidden()
+    reason = fused_moe.use_fused_experts(model)
+    fused = hidden()
+    compile_layers(model, backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    compiled = hidden()
+    _ = hidden(rows=2)  # a second shape: the pieces compile once more, as dynamic
+    after_two = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    experts = model.config.text_config.num_experts
+    top_k = model.config.text_config.top_k_experts
+    ranges = set()
+    for rows in (3, 5, 9, 17):  # decoder passes of 16-token canvases: every tile range of the tiny model
+        _ = hidden(rows=rows)
+        ranges.add(fused_moe.block_config(rows * 16 * top_k, experts).block_m)
+    return {
+        "before": before, "after": model.config._experts_implementation, "reason": reason,
+        "fused_vs_library": (fused - library).abs().max().item(),
+        "compiled_vs_fused": (compiled - fused).abs().max().item(),
+        "scale": library.abs().max().item(),
+        "graphs_after_two_sizes": after_two,
+        "graphs_after_more_sizes": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "tile_ranges_read": sorted(ranges),
+    }
+
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels' module is first imported, in a call
+    print(json.dumps({"kernels": kernel_cases(), "model": model_case(sys.argv[1])}))

@@ -1,0 +1,229 @@
+"""Images in the hf engine are decoded and run through the image processor in image workers before
+their job is queued, never on the engine thread; the reads equal the inline path a direct runner
+call takes, a broken image still fails only its own read with the same 422, cached features skip
+preprocessing altogether, and nothing preprocessed outlives its job."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import threading
+
+import pytest
+
+from app.engine.base import EngineInputError, GenerateSpec, ImageInput, Prompt, ReadSpec
+from tests.conftest import make_tiny_reader
+from tests.engine.hf.test_reader import spec_for
+from tests.engine.hf.graphs.test_encoder import jpeg
+
+
+class ThreadRecorder:
+    """Wraps a callable and records the name of every thread that calls it."""
+
+    def __init__(self, wrapped) -> None:
+        self.wrapped = wrapped
+        self.threads: list[str] = []
+
+    def __call__(self, *args, **kwargs):
+        self.threads.append(threading.current_thread().name)
+        return self.wrapped(*args, **kwargs)
+
+
+def recorded(reader):
+    """The reader with its image processor and its engine entry points recorded."""
+    runner = reader.runner
+    runner.image_processor = ThreadRecorder(runner.image_processor)
+    runner.read = ThreadRecorder(runner.read)
+    runner.start_generation = ThreadRecorder(runner.start_generation)
+    return reader
+
+
+def frame(colour: tuple[int, int, int], source: str) -> ImageInput:
+    return ImageInput(jpeg(colour), "image/jpeg", source)
+
+
+def image_spec(tokenizer, question: str, image: ImageInput, noise: list[int]) -> ReadSpec:
+    prompt = Prompt(tuple(tokenizer.render_chat("Look.", question, 1, False)), (image,))
+    return dataclasses.replace(spec_for(tokenizer, "unused", "q1: yes", noise), prompt=prompt)
+
+
+def run_started(reader, scenario):
+    async def main():
+        await reader.start()
+        try:
+            return await scenario()
+        finally:
+            await reader.stop()
+
+    return asyncio.run(main())
+
+
+def assert_same_reads(a, b):
+    assert a.prompt_tokens == b.prompt_tokens
+    for canvas_a, canvas_b in zip(a.slots, b.slots, strict=True):
+        for slot_a, slot_b in zip(canvas_a, canvas_b, strict=True):
+            assert slot_a.argmax_id == slot_b.argmax_id
+            assert slot_a.label_logprobs == pytest.approx(slot_b.label_logprobs, abs=1e-5)
+
+
+def test_images_are_preprocessed_off_the_engine_thread_and_read_as_inline(tiny_dir, tokenizer):
+    reader = recorded(make_tiny_reader(tiny_dir))
+    specs = [image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5, 77]),
+             image_spec(tokenizer, "what is ahead?", frame((10, 10, 200), "frame 1"), [9]),
+             spec_for(tokenizer, "a text state", "q1: yes", [3])]
+
+    async def scenario():
+        return await reader.read(specs)
+
+    through_reader = run_started(reader, scenario)
+    runner = reader.runner
+    engine_threads = set(runner.read.threads)
+    assert engine_threads and all(name.startswith("djev-engine") for name in engine_threads)
+    assert len(runner.image_processor.threads) == 2  # one call per image set
+    assert all(name.startswith("djev-images") for name in runner.image_processor.threads)
+    assert runner.stats["images_preprocessed"] == 2 and runner.stats["images_preprocessed_inline"] == 0
+    assert reader._images_held == 0  # nothing preprocessed outlives its job
+
+    # A direct runner call (bench scripts, tests) still decodes inline, on its own thread.
+    inline = make_tiny_reader(tiny_dir).runner
+    inline.image_processor = ThreadRecorder(inline.image_processor)
+    direct = inline.read(specs)
+    assert inline.image_processor.threads == [threading.current_thread().name] * 2
+    assert inline.stats["images_preprocessed_inline"] == 2
+    assert through_reader[0].prompt_tokens > len(specs[0].prompt.ids)  # soft tokens expanded
+    for a, b in zip(through_reader, direct, strict=True):
+        assert_same_reads(a, b)
+
+
+def test_an_image_generation_is_preprocessed_off_the_engine_thread(tiny_dir, tokenizer):
+    reader = recorded(make_tiny_reader(tiny_dir))
+    prompt = Prompt(tuple(tokenizer.render_chat("Look.", "describe it", 1, False)), (frame((30, 200, 30), "frame"),))
+    spec = GenerateSpec(prompt, 16, (), seed=1, temperature=0.0)
+
+    async def scenario():
+        return await reader.generate(spec)
+
+    generated = run_started(reader, scenario)
+    runner = reader.runner
+    assert runner.start_generation.threads and all(n.startswith("djev-engine") for n in runner.start_generation.threads)
+    assert len(runner.image_processor.threads) == 1
+    assert runner.image_processor.threads[0].startswith("djev-images")
+    assert runner.stats["images_preprocessed_inline"] == 0 and reader._images_held == 0
+    inline = make_tiny_reader(tiny_dir).runner.generate(spec, reader.info.canvas_length)
+    assert generated.ids == inline.ids and generated.prompt_tokens == inline.prompt_tokens > len(prompt.ids)
+
+
+def test_a_broken_image_fails_only_its_own_read_with_the_same_error(tiny_dir, tokenizer):
+    reader = recorded(make_tiny_reader(tiny_dir))
+    good = image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5])
+    bad = image_spec(tokenizer, "what is ahead?", ImageInput(b"\xff\xd8 not really a jpeg", "image/jpeg", "frame 7"),
+                     [5])
+    other = image_spec(tokenizer, "what is ahead?", frame((10, 10, 200), "frame 1"), [9])
+
+    async def scenario():
+        return await asyncio.gather(reader.read([good, bad]), reader.read([other]), return_exceptions=True)
+
+    failed, fine = run_started(reader, scenario)
+    assert isinstance(failed, EngineInputError)
+    assert failed.status == 422 and failed.param == "frame 7"
+    assert str(failed).startswith("frame 7: not a decodable image")
+    assert not isinstance(fine, BaseException) and len(fine) == 1
+    # All three sets were preprocessed in the workers; the error was raised on the engine thread.
+    assert reader.runner.stats["images_preprocessed"] == 3 and reader.runner.stats["images_preprocessed_inline"] == 0
+
+    # The inline path: per spec, the same error for the broken image only.
+    direct = make_tiny_reader(tiny_dir).runner.read([good, bad])
+    assert not isinstance(direct[0], Exception) and isinstance(direct[1], EngineInputError)
+    assert direct[1].param == failed.param and direct[1].status == failed.status
+    assert re.sub(" at 0x[0-9a-f]+", "", str(direct[1])) == re.sub(" at 0x[0-9a-f]+", "", str(failed))  # PIL names its buffer
+
+
+def test_a_model_without_an_image_processor_refuses_images_as_before(tiny_dir, tokenizer):
+    reader = make_tiny_reader(tiny_dir)
+    reader.runner.image_processor = None
+    spec = image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5])
+
+    async def scenario():
+        return await asyncio.gather(reader.read([spec]), reader.read([spec_for(tokenizer, "text", "q1: yes", [3])]),
+                                    return_exceptions=True)
+
+    refused, text = run_started(reader, scenario)
+    assert isinstance(refused, EngineInputError) and refused.status == 422 and refused.param == "images"
+    assert str(refused) == "this model has no image processor"
+    assert not isinstance(text, BaseException)
+
+
+def test_cached_features_and_cached_prompts_skip_preprocessing(tiny_dir, tokenizer):
+    reader = recorded(make_tiny_reader(tiny_dir))
+    image = frame((30, 200, 30), "frame")
+    first = image_spec(tokenizer, "what is ahead?", image, [5])
+    restated = image_spec(tokenizer, "ahead: wall. which side?", image, [5])  # a later stage, same frame
+
+    async def scenario():
+        await reader.read([first])
+        processed = len(reader.runner.image_processor.threads)
+        await reader.read([restated])  # vision-LRU hit: neither decoded nor processed
+        await reader.read([first])  # KV hit: not even expanded
+        return processed
+
+    processed = run_started(reader, scenario)
+    runner = reader.runner
+    assert processed == 1 and len(runner.image_processor.threads) == 1
+    assert runner.stats["images_preprocessed"] == 1 and runner.stats["images_preprocessed_inline"] == 0
+    assert runner.stats["vision_hits"] == 1 and runner.stats["vision_passes"] == 1 and runner.stats["kv_hits"] == 1
+
+
+def test_past_the_budget_the_engine_thread_decodes_and_reads_the_same(tiny_dir, tokenizer):
+    reader = recorded(make_tiny_reader(tiny_dir))
+    reader.image_budget = 0
+    spec = image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5, 77])
+
+    async def scenario():
+        return await reader.read([spec])
+
+    (result,) = run_started(reader, scenario)
+    runner = reader.runner
+    assert runner.stats["images_preprocessed"] == 0 and runner.stats["images_preprocessed_inline"] == 1
+    assert runner.image_processor.threads == runner.read.threads  # the engine thread, as before
+    (direct,) = make_tiny_reader(tiny_dir).runner.read([spec])
+    assert_same_reads(result, direct)
+
+
+def test_a_cancelled_read_gives_its_preprocessed_images_back(tiny_dir, tokenizer):
+    reader = make_tiny_reader(tiny_dir)
+    runner = reader.runner
+    started, release = threading.Event(), threading.Event()
+    plain_read = runner.read
+
+    def held_read(specs, *args):
+        started.set()
+        release.wait(10)  # hold the engine thread so the next read waits in the queue
+        return plain_read(specs, *args)
+
+    runner.read = held_read
+    blocker = spec_for(tokenizer, "hold the engine", "q1: yes", [1])
+    queued = image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5])
+
+    async def scenario():
+        first = asyncio.create_task(reader.read([blocker]))
+        await asyncio.to_thread(started.wait, 10)
+        second = asyncio.create_task(reader.read([queued]))
+        for _ in range(500):  # until it is preprocessed and queued behind the blocker
+            if runner.stats["images_preprocessed"]:
+                break
+            await asyncio.sleep(0.01)
+        held = reader._images_held
+        second.cancel()
+        release.set()
+        await first
+        for _ in range(100):  # the loop drops the cancelled read at its turn
+            if not reader._queue:
+                break
+            await asyncio.sleep(0.01)
+        return held, second.cancelled()
+
+    held, cancelled = run_started(reader, scenario)
+    assert held == 1 and cancelled
+    assert reader._images_held == 0
+    assert runner.stats["vision_passes"] == 0  # the cancelled read never ran
