@@ -15,12 +15,6 @@ from app.logs import configure_logging
 
 log = logging.getLogger("djev")
 
-TINY_DIR_NAME = "djev-tiny-random"
-
-
-class CheckpointError(Exception):
-    """No usable checkpoint: the message says what to do."""
-
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -62,141 +56,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings.from_env(**overrides)
 
 
-def resolve_checkpoint(settings: Settings) -> tuple[Path, bool]:
-    """The checkpoint directory to load, and whether it is the tiny random model.
-
-    --model wins (a directory, or a Hugging Face id downloaded with a progress bar); else
-    $MODELS_DIR/$MODEL_NAME if it holds a checkpoint; else, with no GPU, the tiny random model
-    (built on first use). A GPU with no checkpoint is an error: it would be a waste to answer randomly.
-    """
-    from app.engine.tiny import is_tiny_checkpoint, write_tiny_model
-
-    if settings.model:
-        candidate = Path(settings.model).expanduser()
-        if candidate.is_dir():
-            if not (candidate / "config.json").is_file():
-                raise CheckpointError(f"{candidate} has no config.json: not a checkpoint directory")
-            return candidate, is_tiny_checkpoint(candidate)
-        if candidate.exists() or settings.model.startswith((".", "/", "~")) or settings.model.count("/") != 1:
-            raise CheckpointError(f"--model {settings.model}: no checkpoint directory there, and not a Hugging Face id")
-        return download_checkpoint(settings.model, Path(settings.models_dir)), False
-    default = Path(settings.models_dir) / settings.model_name
-    if (default / "config.json").is_file():
-        return default, is_tiny_checkpoint(default)
-    if _gpu_available() and settings.device != "cpu":
-        raise CheckpointError(
-            f"a GPU is present but no checkpoint was given: pass --model (a directory or a Hugging Face id "
-            f"such as google/diffusiongemma-26B-A4B-it) or put one at {default}"
-        )
-    tiny = Path(settings.models_dir) / TINY_DIR_NAME
-    if not (tiny / "config.json").is_file():
-        log.info("no GPU and no --model: writing the tiny random-weight model to %s", tiny)
-        write_tiny_model(tiny)
-    return tiny, True
-
-
-def download_checkpoint(repo_id: str, models_dir: Path) -> Path:
-    from huggingface_hub import snapshot_download
-
-    target = models_dir / repo_id.replace("/", "--")
-    log.info("downloading %s to %s", repo_id, target)
-    try:
-        return Path(snapshot_download(repo_id=repo_id, local_dir=str(target)))
-    except Exception as exc:  # noqa: BLE001 - offline, gated, missing: the user needs the reason
-        raise CheckpointError(
-            f"could not download {repo_id} ({type(exc).__name__}: {exc}). Offline? Download it elsewhere and "
-            f"pass --model DIR."
-        ) from exc
-
-
-def _gpu_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def hf_options(settings: Settings, served_name: str, tiny: bool):
-    """The hf engine's options, from Settings (the one place defaults are defined)."""
-    from app.engine.hf.reader import HFOptions
-
-    return HFOptions(
-        device=settings.device,
-        max_prompt_tokens=settings.max_prompt_tokens,
-        kv_cache_entries=settings.kv_cache_entries,
-        max_batch_rows=settings.max_batch_rows,
-        gather_ms=settings.batch_gather_ms,
-        queue_limit=max(1024, 4 * settings.max_inflight),
-        served_name=served_name,
-        canvas_length=settings.canvas,
-        tiny=tiny,
-        torch_threads=settings.torch_threads,
-        cuda_graphs=settings.cuda_graphs,
-        torch_compile=settings.torch_compile,
-        fused_moe=settings.fused_moe,
-    )
-
-
-def remote_options(settings: Settings, served_name: str, tiny: bool):
-    from app.engine.vllm.remote import RemoteOptions
-
-    return RemoteOptions(
-        upstreams=settings.upstream,
-        connect_timeout=settings.upstream_connect_timeout,
-        read_timeout=settings.upstream_read_timeout,
-        health_interval=settings.upstream_health_interval,
-        max_prompt_tokens=settings.max_prompt_tokens,
-        served_name=served_name,
-        canvas_length=settings.canvas,
-        tiny=tiny,
-    )
-
-
-def vllm_options(settings: Settings, served_name: str, tiny: bool):
-    from app.engine.vllm.inprocess import VLLMOptions
-
-    return VLLMOptions(
-        device=settings.device,
-        canvas_length=settings.canvas,
-        max_seqs=settings.max_seqs,
-        max_model_len=settings.max_model_len,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        gpu_util=settings.gpu_util,
-        kv_cache_gb=settings.kv_cache_gb,
-        attn=settings.attn,
-        extra_args=settings.extra_args,
-        cache_dir=settings.cache_dir,
-        torch_mem_fraction=settings.torch_mem_fraction,
-        max_prompt_tokens=settings.max_prompt_tokens,
-        served_name=served_name,
-        tiny=tiny,
-    )
-
-
-def build_reader(settings: Settings):
-    from app.engine.tiny import TINY_MODEL_NAME
-
-    checkpoint, tiny = resolve_checkpoint(settings)
-    served = settings.served_name or (TINY_MODEL_NAME if tiny else checkpoint.name)
-    if settings.engine == "remote":
-        from app.engine.vllm.remote import load_remote_reader
-
-        return load_remote_reader(checkpoint, remote_options(settings, served, tiny))
-    if settings.engine == "vllm":
-        from app.engine.vllm.inprocess import load_vllm_reader
-
-        try:
-            return load_vllm_reader(checkpoint, vllm_options(settings, served, tiny))
-        except ImportError as exc:  # vLLM missing: the message says what to install
-            raise CheckpointError(str(exc)) from None
-    from app.engine.hf.reader import load_hf_reader
-
-    return load_hf_reader(checkpoint, hf_options(settings, served, tiny))
-
-
 def serve(settings: Settings) -> int:
+    from app.build import build_reader
     from app.server import create_app, serve_app
 
     reader = build_reader(settings)
@@ -229,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from app.selftest import run_selftest
 
         return run_selftest(settings, args.url, args.timeout)  # it reports every failure itself
+    from app.build import CheckpointError
+
     try:
         return serve(settings)
     except CheckpointError as exc:

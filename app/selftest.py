@@ -59,7 +59,7 @@ def _post(url: str, settings: Settings, timeout: float) -> tuple[int, Any]:
 
 
 def _in_process(settings: Settings, timeout: float) -> tuple[int, Any, str]:
-    from app.cli import build_reader
+    from app.build import build_reader
     from app.server import create_app, serve_in_background
 
     reader = build_reader(settings)

@@ -96,7 +96,7 @@ def build_reader(args: argparse.Namespace) -> Any:
     from transformers import DiffusionGemmaConfig
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    from app.cli import hf_options
+    from app.build import hf_options
     from app.config import Settings
     from app.engine.base import ReaderInfo
     from app.engine.hf.runner import DiffusionRunner

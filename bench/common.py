@@ -259,9 +259,9 @@ def tiny_checkpoint() -> Path:
 
 def tiny_reader(checkpoint: Path, settings: Any = None):
     """A fresh hf reader on the tiny checkpoint, on the CPU, with the limits of `settings` (default:
-    the server's defaults) mapped the way `djev serve` maps them (app/cli.py, build_reader). A reader
+    the server's defaults) mapped the way `djev serve` maps them (app/build.py, build_reader). A reader
     belongs to one event loop, so the in-process measurements and the server each get their own."""
-    from app.cli import hf_options
+    from app.build import hf_options
     from app.config import Settings
     from app.engine.hf.reader import load_hf_reader
     from app.engine.tiny import TINY_MODEL_NAME

@@ -51,7 +51,7 @@ def page_request(path: Path = PAGE_JS) -> dict:
 @contextmanager
 def tiny_server() -> Iterator[str]:
     """The tiny model, served in-process on 127.0.0.1 (the tests' set-up, without pytest)."""
-    from app.cli import hf_options
+    from app.build import hf_options
     from app.config import Settings
     from app.engine.hf.reader import load_hf_reader
     from app.engine.tiny import TINY_MODEL_NAME, write_tiny_model

@@ -50,7 +50,7 @@ log = logging.getLogger("djev.engine")
 
 @dataclass(frozen=True)
 class HFOptions:
-    """What the hf engine is told; built from Settings by `app.cli.hf_options` (defaults live there)."""
+    """What the hf engine is told; built from Settings by `app.build.hf_options` (defaults live there)."""
 
     device: str  # "auto", "cpu", "cuda", "cuda:1", ...
     max_prompt_tokens: int

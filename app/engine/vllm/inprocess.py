@@ -68,7 +68,7 @@ VLLM_MISSING = ("--engine vllm needs vLLM in this environment: pip install 'djev
 
 @dataclass(frozen=True)
 class VLLMOptions:
-    """What the vllm engine is told; built from Settings by `app.cli.vllm_options` (defaults there)."""
+    """What the vllm engine is told; built from Settings by `app.build.vllm_options` (defaults there)."""
 
     device: str
     canvas_length: int

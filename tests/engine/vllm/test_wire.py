@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from app.cli import build_parser, build_reader, settings_from_args, CheckpointError
+from app.build import CheckpointError, build_reader
+from app.cli import build_parser, settings_from_args
 from app.config import Settings
 from app.engine.base import GenerateSpec, ImageInput, Prompt, ReadSpec
 from app.engine.vllm.chat import IMAGE_PART, ChatForm, ChatFormer
@@ -206,7 +207,7 @@ def test_engine_vllm_without_vllm_says_what_to_install(tiny_dir):
 
 
 def vllm_options(**changes):
-    from app.cli import vllm_options as from_settings
+    from app.build import vllm_options as from_settings
 
     return from_settings(Settings(**changes), "served", tiny=False)
 
