@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 
 from app.config import Settings
+from app.decisions.limits import Limits
+from app.decisions.reading import ReadSettings
 
 log = logging.getLogger("djev")
 
@@ -149,3 +151,33 @@ def build_reader(settings: Settings):
     from app.engine.hf.reader import load_hf_reader
 
     return load_hf_reader(checkpoint, hf_options(settings, served, tiny))
+
+
+def limits(settings: Settings) -> Limits:
+    """The decision core's request limits and defaults, from Settings."""
+    return Limits(
+        max_questions=settings.max_questions,
+        max_samples=settings.max_samples,
+        max_think=settings.max_think,
+        max_steps=settings.max_steps,
+        max_id_length=settings.max_id_length,
+        max_images=settings.max_images,
+        max_image_bytes=settings.max_image_bytes,
+        max_total_image_bytes=settings.max_total_image_bytes,
+        confidence=settings.confidence,
+        isolate=settings.isolate,
+        default_seed=settings.default_seed,
+        auto_max=settings.auto_max,
+        auto_threshold=settings.auto_threshold,
+    )
+
+
+def read_settings(settings: Settings) -> ReadSettings:
+    """How the decision core reads, from Settings."""
+    return ReadSettings(
+        canvas_length=settings.canvas,
+        canvas_step=settings.canvas_step,
+        thought_in_prompt=settings.thought_placement == "prompt",
+        max_prompt_tokens=settings.max_prompt_tokens,
+        max_thought_tokens=settings.max_thought_tokens,
+    )

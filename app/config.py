@@ -10,10 +10,6 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from app.decisions.request import Limits
-from app.decisions.run import ReadSettings
-
-
 # The engines this build has.
 ENGINES = ("hf", "vllm", "remote")
 LOG_FORMATS = ("text", "json")
@@ -184,34 +180,6 @@ class Settings:
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
-
-    @property
-    def limits(self) -> Limits:
-        return Limits(
-            max_questions=self.max_questions,
-            max_samples=self.max_samples,
-            max_think=self.max_think,
-            max_steps=self.max_steps,
-            max_id_length=self.max_id_length,
-            max_images=self.max_images,
-            max_image_bytes=self.max_image_bytes,
-            max_total_image_bytes=self.max_total_image_bytes,
-            confidence=self.confidence,
-            isolate=self.isolate,
-            default_seed=self.default_seed,
-            auto_max=self.auto_max,
-            auto_threshold=self.auto_threshold,
-        )
-
-    @property
-    def read_settings(self) -> ReadSettings:
-        return ReadSettings(
-            canvas_length=self.canvas,
-            canvas_step=self.canvas_step,
-            thought_in_prompt=self.thought_placement == "prompt",
-            max_prompt_tokens=self.max_prompt_tokens,
-            max_thought_tokens=self.max_thought_tokens,
-        )
 
 
 def _env_name(field_name: str) -> str:

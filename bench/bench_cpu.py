@@ -6,7 +6,7 @@ Measured in ONE run, so the ratios compare numbers taken side by side on the sam
     and a transport floor, interleaved request by request so drift hits all four alike:
       engine    HFReader.read([spec]) of the exact ReadSpec the Decider sends for that decision
                 (captured by running the real Decider against a recording reader);
-      decision  parse_decision(body, Settings().limits) + Decider.decide() in process: templating, the read, answers;
+      decision  parse_decision(body, build.limits(Settings())) + Decider.decide() in process: templating, the read, answers;
       http      POST /v1/systemone to the real app under uvicorn on 127.0.0.1 (httpx, keep-alive);
       floor     the same POST, body and client to a bare Starlette app under the same uvicorn options
                 whose one route reads the body and returns a fixed JSON reply: what the client, the
@@ -45,6 +45,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Sequence
 
+from app import build
 from app.config import Settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -122,7 +123,7 @@ async def read_spec_for(recorder: SpecRecorder, body: dict[str, Any]) -> ReadSpe
     from app.decisions.run import Decider
 
     recorder.specs.clear()
-    await Decider(recorder, Settings().read_settings).decide(parse_decision(body, Settings().limits))
+    await Decider(recorder, build.read_settings(Settings())).decide(parse_decision(body, build.limits(Settings())))
     if len(recorder.specs) != 1:
         raise RuntimeError(f"the ticket decision should be one read, the Decider sent {len(recorder.specs)}")
     return recorder.specs[0]
@@ -216,7 +217,7 @@ async def single_decision(url: str, server_reader: Any, checkpoint: Path, reads:
     try:
         async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S) as client, \
                 httpx.AsyncClient(base_url=floor_url, timeout=HTTP_TIMEOUT_S) as floor_client:
-            paths = Paths(reader, Decider(reader, Settings().read_settings), client, floor_client)
+            paths = Paths(reader, Decider(reader, build.read_settings(Settings())), client, floor_client)
             await paths.check_same_answers(ticket_body("x000000"))
             return {
                 condition: await interleaved(paths, condition, {"engine": reader, "decision": reader,
@@ -249,7 +250,7 @@ class Paths:
     async def decision(self, body: dict[str, Any]) -> int:
         from app.decisions.request import parse_decision
 
-        outcome = await self.decider.decide(parse_decision(body, Settings().limits))
+        outcome = await self.decider.decide(parse_decision(body, build.limits(Settings())))
         return outcome.input_tokens
 
     async def http(self, body: dict[str, Any]) -> int:
@@ -268,7 +269,7 @@ class Paths:
         """The in-process decision and the HTTP one must agree, or they did not do the same work."""
         from app.decisions.request import parse_decision
 
-        local = await self.decider.decide(parse_decision(body, Settings().limits))
+        local = await self.decider.decide(parse_decision(body, build.limits(Settings())))
         response = await self.client.post("/v1/systemone", json=body)
         response.raise_for_status()
         if not same(response.json()["answers"], json.loads(json.dumps(local.answers))):

@@ -38,7 +38,15 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_gpu import FULL_TEXT_CONFIG, build_model  # noqa: E402
-from bench.common import CollectorPauses, fmt, header, latency_summary, machine, markdown_table, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    CollectorPauses,
+    fmt,
+    header,
+    latency_summary,
+    machine,
+    markdown_table,
+    write_json,
+)
 from bench.naive import measure_naive, ratio  # noqa: E402
 
 TICKET_QUESTIONS = {
@@ -94,13 +102,15 @@ def frames(count: int) -> list[bytes]:
 def build_reader(args: argparse.Namespace) -> Any:
     import torch
     from transformers import DiffusionGemmaConfig
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+    from transformers.models.gemma4.image_processing_pil_gemma4 import (
+        Gemma4ImageProcessorPil,
+    )
 
     from app.build import hf_options
     from app.config import Settings
     from app.engine.base import ReaderInfo
-    from app.engine.hf.runner import DiffusionRunner
     from app.engine.hf.reader import HFReader
+    from app.engine.hf.runner import DiffusionRunner
     from app.engine.tiny import build_config as tiny_config
     from app.engine.tiny import build_tokenizer
     from app.engine.tokenizer import HFChatTokenizer
@@ -133,13 +143,14 @@ def build_reader(args: argparse.Namespace) -> Any:
 
 
 async def timed_decisions(decider: Any, bodies: Sequence[dict], images: Sequence[Sequence[Any]] = ()) -> list[float]:
+    from app import build
     from app.config import Settings
     from app.decisions.request import parse_decision
 
     seconds = []
     for index, body in enumerate(bodies):
         started = time.perf_counter()
-        await decider.decide(parse_decision(body, Settings().limits, images=images[index] if images else ()))
+        await decider.decide(parse_decision(body, build.limits(Settings()), images=images[index] if images else ()))
         seconds.append(time.perf_counter() - started)
     return seconds
 
@@ -158,6 +169,7 @@ def batch_timeline(batches: list[tuple[float, float, int]], elapsed: float) -> d
 
 
 async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, seed: int) -> dict[str, Any]:
+    from app import build
     from app.config import Settings
     from app.decisions.request import parse_decision
 
@@ -178,7 +190,7 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
         rng = random.Random(seed * 1000 + number)
         while time.perf_counter() < deadline:
             started = time.perf_counter()
-            await decider.decide(parse_decision(ticket(rng), Settings().limits))
+            await decider.decide(parse_decision(ticket(rng), build.limits(Settings())))
             latencies.append(time.perf_counter() - started)
 
     started = time.perf_counter()
@@ -353,6 +365,7 @@ async def unshared(decider: Any, reader: Any, args: argparse.Namespace, rng: ran
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from app import build
     from app.decisions.run import Decider
     from app.engine.base import ImageInput
     from app.engine.hf.reader import settle_heap
@@ -385,7 +398,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         compile_layers(model)
     await reader.start()
-    decider = Decider(reader, settings.read_settings)
+    decider = Decider(reader, build.read_settings(settings))
     rng = random.Random(0)
     try:
         await timed_decisions(decider, [ticket(rng) for _ in range(args.warmup)])
@@ -660,6 +673,7 @@ class InstantRunner:
 async def turnaround(args: argparse.Namespace) -> dict[str, Any]:
     """The closed loop at each level over InstantRunner: decisions a second, and the time one
     decision's own work takes on the event loop (what a read batch waits for between cycles)."""
+    from app import build
     from app.decisions.run import Decider
 
     reader, settings, _ = build_reader(args)
@@ -667,7 +681,7 @@ async def turnaround(args: argparse.Namespace) -> dict[str, Any]:
     await reader.start()
     points = []
     try:
-        decider = Decider(reader, settings.read_settings)
+        decider = Decider(reader, build.read_settings(settings))
         for clients in args.levels:
             point = await level(decider, reader, args, clients, (clients + 1000, clients), "instant engine, ",
                                 warmup_s=1.0)

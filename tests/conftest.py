@@ -7,15 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from app.config import Settings
-from app.server import free_port, serve_in_background  # noqa: F401 - tests import free_port from here
+from app import build
 from app.build import hf_options
+from app.config import Settings
 from app.engine.hf.reader import load_hf_reader
 from app.engine.tiny import TINY_MODEL_NAME, write_tiny_model
+from app.server import free_port, serve_in_background  # noqa: F401 - tests import free_port from here
 from tests.fakes import ScriptedReader
 
 # The defaults as the server has them (Settings is the one place they are defined).
-LIMITS = Settings().limits
+LIMITS = build.limits(Settings())
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from app import build
 from app.cli import build_parser, settings_from_args
 from app.config import Settings, render_env_example
 
@@ -20,7 +21,7 @@ def test_env_example_matches_the_settings():
 def test_env_values_are_read_and_converted():
     settings = Settings.from_env({"STRUCTURED_PORT": "9000", "TEST_PAGE": "0", "API_KEY": "k", "CANVAS": "64"})
     assert (settings.port, settings.pages, settings.api_key, settings.canvas) == (9000, False, "k", 64)
-    assert settings.limits.max_samples == 32 and settings.read_settings.canvas_length == 64
+    assert build.limits(settings).max_samples == 32 and build.read_settings(settings).canvas_length == 64
 
 
 def test_flags_override_the_environment(monkeypatch):

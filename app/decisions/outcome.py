@@ -5,15 +5,12 @@ groups it read. The Jev and chat-form bodies are built from it at the web edge (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from app.decisions.estimate import QuestionEstimate
-from app.decisions.plan import Skip
+from app.decisions.plan import Plan, Skip
 from app.decisions.questions import Question
 from app.decisions.request import Decision
-
-if TYPE_CHECKING:
-    from app.decisions.run import Plan
 
 
 @dataclass(frozen=True)
@@ -49,7 +46,7 @@ class Outcome:
 
 def assemble(
     decision: Decision,
-    plan: "Plan",
+    plan: Plan,
     groups: Sequence[GroupResult],
     skipped: dict[str, Skip],
     stages_read: list[list[str]],

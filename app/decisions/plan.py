@@ -79,3 +79,21 @@ def groups(
     if current:
         out.append(current)
     return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a decision will read, known before anything is read: its answer format and labels, its
+    stages, and what it may cost at most (admission counts this)."""
+
+    fmt: str
+    labels: dict[str, tuple[str, ...]]
+    stages: list[list[Question]]
+    chained: bool  # later reads continue earlier answers (dependencies or `sequential`)
+    canvases: int  # canvases read at most (every group of every stage, every draw)
+    thought_tokens: int  # thought tokens written at most
+    small: bool = False  # its synchronous pieces are bounded and cheap: run them inline
+
+    @property
+    def cost(self) -> int:
+        return self.canvases + self.thought_tokens

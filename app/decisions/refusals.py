@@ -10,16 +10,14 @@ a row for its error type before a row for any. Messages are `str.format` templat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
 from app.decisions.errors import RequestError
+from app.decisions.limits import Limits
 from app.decisions.models import MAX_SEED, MIN_CHUNK_ROWS
 from app.decisions.questions import QUESTION_TYPES, TOO_MANY_CHOICES, TOO_MANY_LEVELS
-
-if TYPE_CHECKING:  # request.py imports this module
-    from app.decisions.request import Limits
 
 ANY = "*"
 
@@ -89,7 +87,7 @@ REFUSALS: dict[tuple[tuple[Any, ...], str | None], Refusal] = {
 LONGEST = max(len(pattern) for pattern, _ in REFUSALS)
 
 
-def refusal(exc: ValidationError, limits: "Limits") -> RequestError:
+def refusal(exc: ValidationError, limits: Limits) -> RequestError:
     """The RequestError for the first of pydantic's errors: the first check that failed. (The rules
     keep their errors few: a list stops at its first bad entry, a count past a limit is refused before
     the entries, an unknown key is reported alone.)"""

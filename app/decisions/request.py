@@ -15,31 +15,12 @@ from typing import Any, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, StrictStr, ValidationError
 
-from app.decisions.models import DecisionBody
 from app.decisions.errors import RequestError
+from app.decisions.limits import Limits
+from app.decisions.models import DecisionBody
 from app.decisions.questions import Question, render_content
 from app.decisions.refusals import refusal
 from app.engine.base import ImageInput
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask for, and the defaults of what it leaves out. Built by
-    `app.config.Settings.limits`, the one place their values are defined."""
-
-    max_questions: int
-    max_samples: int
-    max_think: int
-    max_steps: int
-    max_id_length: int
-    max_images: int
-    max_image_bytes: int
-    max_total_image_bytes: int
-    confidence: str
-    isolate: bool
-    default_seed: int
-    auto_max: int
-    auto_threshold: float
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,30 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from app.decisions.canvas import Canvas, build_canvas, content_seed, draw_seeds, noised
 from app.decisions.errors import RequestError
-from app.decisions.estimate import QuestionEstimate, estimate, first_read_entropies
+from app.decisions.estimate import estimate, first_read_entropies
 from app.decisions.outcome import GroupResult, Outcome, assemble
-from app.decisions.plan import Skip, gate, groups, stages
+from app.decisions.plan import Plan, Skip, gate, groups, stages
 from app.decisions.prompt import ChatPrompts, restated_state, system_text
 from app.decisions.questions import Question
+from app.decisions.reading import ReadSettings
 from app.decisions.request import Decision
-from app.decisions.template import JOIN, LINES, TemplateItem, Templates, answer_format, answer_text
+from app.decisions.template import (
+    JOIN,
+    LINES,
+    TemplateItem,
+    Templates,
+    answer_format,
+    answer_text,
+)
 from app.engine.base import (
-    EngineError, EngineInputError, GenerateSpec, Prompt, Reader, ReadResult, ReadSpec, gather_or_cancel,
+    EngineError,
+    EngineInputError,
+    GenerateSpec,
+    Prompt,
+    Reader,
+    ReadResult,
+    ReadSpec,
+    gather_or_cancel,
 )
 
 MIN_THOUGHT_ROWS = 8
@@ -41,35 +56,6 @@ SMALL_OPTIONS = 64
 SMALL_CANVASES = 16
 
 Offload = Callable[..., Awaitable[Any]]
-
-
-@dataclass(frozen=True)
-class ReadSettings:
-    """How decisions are read; built by `app.config.Settings.read_settings` (the defaults live there)."""
-
-    canvas_length: int  # the widest canvas a read may use
-    canvas_step: int  # canvas widths are rounded up to a multiple of this
-    thought_in_prompt: bool  # the empty thought block ends the prompt instead of opening the canvas
-    max_prompt_tokens: int  # a prompt past this is refused before any template work
-    max_thought_tokens: int  # think x the groups that think, per request
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a decision will read, known before anything is read: its answer format and labels, its
-    stages, and what it may cost at most (admission counts this)."""
-
-    fmt: str
-    labels: dict[str, tuple[str, ...]]
-    stages: list[list[Question]]
-    chained: bool  # later reads continue earlier answers (dependencies or `sequential`)
-    canvases: int  # canvases read at most (every group of every stage, every draw)
-    thought_tokens: int  # thought tokens written at most
-    small: bool = False  # its synchronous pieces are bounded and cheap: run them inline
-
-    @property
-    def cost(self) -> int:
-        return self.canvases + self.thought_tokens
 
 
 @dataclass(frozen=True)
@@ -428,4 +414,4 @@ def check_result(spec: ReadSpec, results: Sequence[ReadResult]) -> None:
         raise EngineError(f"the engine returned a malformed read: {problem}")
 
 
-__all__ = ["Decider", "Outcome", "Plan", "QuestionEstimate", "ReadSettings"]
+__all__ = ["Decider"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from app.decisions.run import Outcome
+from app.decisions.outcome import Outcome
 
 
 def jev_body(model: str, outcome: Outcome) -> dict:

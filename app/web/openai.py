@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.decisions.run import Outcome
+from app.decisions.outcome import Outcome
 from app.web.answers import chat_content
 from app.web.body import read_raw
 from app.web.errors import error_reply, render_json

@@ -15,9 +15,12 @@ from typing import Any, Callable, TypeVar
 import anyio
 from starlette.requests import HTTPConnection
 
+from app.build import limits, read_settings
 from app.config import Settings
+from app.decisions.limits import Limits
+from app.decisions.plan import Plan
 from app.decisions.request import Decision
-from app.decisions.run import Decider, Plan
+from app.decisions.run import Decider
 from app.engine.base import Reader
 from app.web.admission import Admission
 from app.web.metrics import Metrics
@@ -37,6 +40,7 @@ INLINE_BODY_BYTES = 8 * 1024
 @dataclass
 class Services:
     settings: Settings
+    limits: Limits  # the decision core's request limits, from settings
     reader: Reader
     decider: Decider
     admission: Admission
@@ -50,9 +54,10 @@ class Services:
         workers = anyio.CapacityLimiter(WORKER_THREADS)
         return cls(
             settings=settings,
+            limits=limits(settings),
             reader=reader,
             # The decider plans in the same bounded pool as parsing and validation.
-            decider=Decider(reader, settings.read_settings, offload=functools.partial(_offload_in, workers)),
+            decider=Decider(reader, read_settings(settings), offload=functools.partial(_offload_in, workers)),
             admission=Admission(settings.max_inflight, settings.max_inflight_cost),
             workers=workers,
         )

@@ -32,8 +32,15 @@ from app.decisions.request import Decision, parse_decision
 from app.engine.base import ImageInput
 from app.web.answers import jev_body
 from app.web.auth import key_matches
-from app.web.errors import (CLOSE_AUTH, CLOSE_FLOOD, CLOSE_TOO_BIG, CLOSE_TRY_LATER, CLOSE_UNSUPPORTED, HTTPError,
-                            error_reply)
+from app.web.errors import (
+    CLOSE_AUTH,
+    CLOSE_FLOOD,
+    CLOSE_TOO_BIG,
+    CLOSE_TRY_LATER,
+    CLOSE_UNSUPPORTED,
+    HTTPError,
+    error_reply,
+)
 from app.web.images import check_images
 from app.web.services import Services
 from app.web.work import Prepared, decide, priced_plan, unwrap
@@ -196,7 +203,7 @@ class StreamSession:
                                             param="request.images"))
             return
         try:
-            decision = await self.services.offload(parse_decision, request, self.services.settings.limits)
+            decision = await self.services.offload(parse_decision, request, self.services.limits)
         except Exception as exc:  # noqa: BLE001 - a bad config is reported; the session stays open
             await self.send_error(exc)
             return

@@ -18,8 +18,9 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from app.decisions.chat import chat_to_body
+from app.decisions.outcome import Outcome
+from app.decisions.plan import Plan
 from app.decisions.request import Decision, parse_decision
-from app.decisions.run import Outcome, Plan
 from app.web.body import RawBody, parse_payload
 from app.web.errors import ClientGone, render_json
 from app.web.images import check_images
@@ -84,7 +85,7 @@ def prepare(svc: Services, raw: RawBody, chat_form: bool = False) -> Prepared:
     settings = svc.settings
     payload = parse_payload(raw, settings.max_body_bytes)
     body = chat_to_body(payload.body) if chat_form else payload.body
-    decision = parse_decision(body, settings.limits, images=payload.images, assets=payload.assets)
+    decision = parse_decision(body, svc.limits, images=payload.images, assets=payload.assets)
     return Prepared(decision, checked_plan(svc, decision), payload.body)
 
 

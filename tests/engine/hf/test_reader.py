@@ -7,10 +7,11 @@ import asyncio
 
 import pytest
 
+from app import build
+from app.config import Settings
 from app.decisions.request import parse_decision
 from app.decisions.run import Decider
 from app.engine.base import EngineInputError, GenerateSpec, Prompt, ReadSpec
-from app.config import Settings
 from tests.conftest import LIMITS
 
 
@@ -65,7 +66,7 @@ def test_a_batched_pass_equals_single_reads(tiny_reader, tokenizer):
 
 
 def test_concurrent_decisions_share_decoder_passes(tiny_reader):
-    decider = Decider(tiny_reader, Settings().read_settings)
+    decider = Decider(tiny_reader, build.read_settings(Settings()))
     bodies = [parse_decision({"state": f"ticket number {i}", "samples": 2, "questions": {
         "urgent": {"type": "noul", "instructions": "Urgent?"},
         "team": {"type": "choice", "criteria": {"billing": None, "outage": None}},
@@ -111,7 +112,11 @@ def test_steps_move_only_the_slots_and_are_seeded(tiny_reader, tokenizer):
 def test_sampler_pieces():
     import torch
 
-    from app.engine.hf.sampler import entropy_bound_accept, gumbel_argmax, temperature_at
+    from app.engine.hf.sampler import (
+        entropy_bound_accept,
+        gumbel_argmax,
+        temperature_at,
+    )
 
     flat = torch.zeros(4, 1000)
     draws = {tuple(gumbel_argmax(flat, torch.Generator().manual_seed(seed)).tolist()) for seed in range(5)}
