@@ -28,24 +28,26 @@ def resolve_checkpoint(settings: Settings) -> tuple[Path, bool]:
     """
     from app.engine.tiny import is_tiny_checkpoint, write_tiny_model
 
-    if settings.model:
-        candidate = Path(settings.model).expanduser()
+    runtime = settings.runtime
+
+    if runtime.model:
+        candidate = Path(runtime.model).expanduser()
         if candidate.is_dir():
             if not (candidate / "config.json").is_file():
                 raise CheckpointError(f"{candidate} has no config.json: not a checkpoint directory")
             return candidate, is_tiny_checkpoint(candidate)
-        if candidate.exists() or settings.model.startswith((".", "/", "~")) or settings.model.count("/") != 1:
-            raise CheckpointError(f"--model {settings.model}: no checkpoint directory there, and not a Hugging Face id")
-        return download_checkpoint(settings.model, Path(settings.models_dir)), False
-    default = Path(settings.models_dir) / settings.model_name
+        if candidate.exists() or runtime.model.startswith((".", "/", "~")) or runtime.model.count("/") != 1:
+            raise CheckpointError(f"--model {runtime.model}: no checkpoint directory there, and not a Hugging Face id")
+        return download_checkpoint(runtime.model, Path(runtime.models_dir)), False
+    default = Path(runtime.models_dir) / runtime.model_name
     if (default / "config.json").is_file():
         return default, is_tiny_checkpoint(default)
-    if gpu_available() and settings.device != "cpu":
+    if gpu_available() and runtime.device != "cpu":
         raise CheckpointError(
             f"a GPU is present but no checkpoint was given: pass --model (a directory or a Hugging Face id "
             f"such as google/diffusiongemma-26B-A4B-it) or put one at {default}"
         )
-    tiny = Path(settings.models_dir) / TINY_DIR_NAME
+    tiny = Path(runtime.models_dir) / TINY_DIR_NAME
     if not (tiny / "config.json").is_file():
         log.info("no GPU and no --model: writing the tiny random-weight model to %s", tiny)
         write_tiny_model(tiny)
@@ -80,19 +82,19 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
     from app.engine.hf.reader import HFOptions
 
     return HFOptions(
-        device=settings.device,
-        max_prompt_tokens=settings.max_prompt_tokens,
-        kv_cache_entries=settings.kv_cache_entries,
-        max_batch_rows=settings.max_batch_rows,
-        gather_ms=settings.batch_gather_ms,
-        queue_limit=max(1024, 4 * settings.max_inflight),
+        device=settings.runtime.device,
+        max_prompt_tokens=settings.limits.max_prompt_tokens,
+        kv_cache_entries=settings.hf.kv_cache_entries,
+        max_batch_rows=settings.hf.max_batch_rows,
+        gather_ms=settings.hf.batch_gather_ms,
+        queue_limit=max(1024, 4 * settings.limits.max_inflight),
         served_name=served_name,
-        canvas_length=settings.canvas,
+        canvas_length=settings.decisions.canvas,
         tiny=tiny,
-        torch_threads=settings.torch_threads,
-        cuda_graphs=settings.cuda_graphs,
-        torch_compile=settings.torch_compile,
-        fused_moe=settings.fused_moe,
+        torch_threads=settings.hf.torch_threads,
+        cuda_graphs=settings.hf.cuda_graphs,
+        torch_compile=settings.hf.torch_compile,
+        fused_moe=settings.hf.fused_moe,
     )
 
 
@@ -100,13 +102,13 @@ def remote_options(settings: Settings, served_name: str, tiny: bool):
     from app.engine.vllm.remote import RemoteOptions
 
     return RemoteOptions(
-        upstreams=settings.upstream,
-        connect_timeout=settings.upstream_connect_timeout,
-        read_timeout=settings.upstream_read_timeout,
-        health_interval=settings.upstream_health_interval,
-        max_prompt_tokens=settings.max_prompt_tokens,
+        upstreams=settings.remote.upstream,
+        connect_timeout=settings.remote.upstream_connect_timeout,
+        read_timeout=settings.remote.upstream_read_timeout,
+        health_interval=settings.remote.upstream_health_interval,
+        max_prompt_tokens=settings.limits.max_prompt_tokens,
         served_name=served_name,
-        canvas_length=settings.canvas,
+        canvas_length=settings.decisions.canvas,
         tiny=tiny,
     )
 
@@ -115,18 +117,18 @@ def vllm_options(settings: Settings, served_name: str, tiny: bool):
     from app.engine.vllm.inprocess import VLLMOptions
 
     return VLLMOptions(
-        device=settings.device,
-        canvas_length=settings.canvas,
-        max_seqs=settings.max_seqs,
-        max_model_len=settings.max_model_len,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        gpu_util=settings.gpu_util,
-        kv_cache_gb=settings.kv_cache_gb,
-        attn=settings.attn,
-        extra_args=settings.extra_args,
-        cache_dir=settings.cache_dir,
-        torch_mem_fraction=settings.torch_mem_fraction,
-        max_prompt_tokens=settings.max_prompt_tokens,
+        device=settings.runtime.device,
+        canvas_length=settings.decisions.canvas,
+        max_seqs=settings.vllm.max_seqs,
+        max_model_len=settings.vllm.max_model_len,
+        max_num_batched_tokens=settings.vllm.max_num_batched_tokens,
+        gpu_util=settings.vllm.gpu_util,
+        kv_cache_gb=settings.vllm.kv_cache_gb,
+        attn=settings.vllm.attn,
+        extra_args=settings.vllm.extra_args,
+        cache_dir=settings.vllm.cache_dir,
+        torch_mem_fraction=settings.vllm.torch_mem_fraction,
+        max_prompt_tokens=settings.limits.max_prompt_tokens,
         served_name=served_name,
         tiny=tiny,
     )
@@ -136,12 +138,12 @@ def build_reader(settings: Settings):
     from app.engine.tiny import TINY_MODEL_NAME
 
     checkpoint, tiny = resolve_checkpoint(settings)
-    served = settings.served_name or (TINY_MODEL_NAME if tiny else checkpoint.name)
-    if settings.engine == "remote":
+    served = settings.runtime.served_name or (TINY_MODEL_NAME if tiny else checkpoint.name)
+    if settings.runtime.engine == "remote":
         from app.engine.vllm.remote import load_remote_reader
 
         return load_remote_reader(checkpoint, remote_options(settings, served, tiny))
-    if settings.engine == "vllm":
+    if settings.runtime.engine == "vllm":
         from app.engine.vllm.inprocess import load_vllm_reader
 
         try:
@@ -156,28 +158,28 @@ def build_reader(settings: Settings):
 def limits(settings: Settings) -> Limits:
     """The decision core's request limits and defaults, from Settings."""
     return Limits(
-        max_questions=settings.max_questions,
-        max_samples=settings.max_samples,
-        max_think=settings.max_think,
-        max_steps=settings.max_steps,
-        max_id_length=settings.max_id_length,
-        max_images=settings.max_images,
-        max_image_bytes=settings.max_image_bytes,
-        max_total_image_bytes=settings.max_total_image_bytes,
-        confidence=settings.confidence,
-        isolate=settings.isolate,
-        default_seed=settings.default_seed,
-        auto_max=settings.auto_max,
-        auto_threshold=settings.auto_threshold,
+        max_questions=settings.limits.max_questions,
+        max_samples=settings.limits.max_samples,
+        max_think=settings.limits.max_think,
+        max_steps=settings.limits.max_steps,
+        max_id_length=settings.limits.max_id_length,
+        max_images=settings.limits.max_images,
+        max_image_bytes=settings.limits.max_image_bytes,
+        max_total_image_bytes=settings.limits.max_total_image_bytes,
+        confidence=settings.decisions.confidence,
+        isolate=settings.decisions.isolate,
+        default_seed=settings.decisions.default_seed,
+        auto_max=settings.decisions.auto_max,
+        auto_threshold=settings.decisions.auto_threshold,
     )
 
 
 def read_settings(settings: Settings) -> ReadSettings:
     """How the decision core reads, from Settings."""
     return ReadSettings(
-        canvas_length=settings.canvas,
-        canvas_step=settings.canvas_step,
-        thought_in_prompt=settings.thought_placement == "prompt",
-        max_prompt_tokens=settings.max_prompt_tokens,
-        max_thought_tokens=settings.max_thought_tokens,
+        canvas_length=settings.decisions.canvas,
+        canvas_step=settings.decisions.canvas_step,
+        thought_in_prompt=settings.decisions.thought_placement == "prompt",
+        max_prompt_tokens=settings.limits.max_prompt_tokens,
+        max_thought_tokens=settings.limits.max_thought_tokens,
     )

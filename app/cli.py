@@ -6,14 +6,11 @@ import argparse
 import asyncio
 import logging
 import sys
-from dataclasses import fields
 from pathlib import Path
 from typing import Sequence
 
-from app.config import Settings, field_kind
+from app.config import Settings, field_kind, setting_fields
 from app.logs import configure_logging
-
-log = logging.getLogger("djev")
 
 
 def _flag(name: str) -> str:
@@ -26,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="start the server", description=(
         "Start the decision server. Every flag overrides the environment variable named in its help."))
-    for f in fields(Settings):
+    for _, f in setting_fields():
         env = f.metadata["env"]
         kind = field_kind(f)
         if kind is bool:
@@ -52,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    overrides = {f.name: getattr(args, f.name, None) for f in fields(Settings)}
+    overrides = {f.name: getattr(args, f.name, None) for _, f in setting_fields()}
     return Settings.from_env(**overrides)
 
 
@@ -63,10 +60,10 @@ def serve(settings: Settings) -> int:
     reader = build_reader(settings)
     app = create_app(settings, reader)
     ssl = None
-    if settings.tls_port:
+    if settings.server.tls_port:
         from app.tls import ensure_certificate
 
-        ssl = ensure_certificate(Path(settings.cert_dir))
+        ssl = ensure_certificate(Path(settings.server.cert_dir))
     asyncio.run(serve_app(app, settings, ssl))
     return 0
 

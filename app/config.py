@@ -1,6 +1,10 @@
-"""Settings: one frozen dataclass, read from the environment (the reference system's names where it
-had one) and overridden by command-line flags. Every default is defined here and nowhere else;
-`.env.example` lists the same names and values (a test keeps the two in step).
+"""Settings: typed sections of frozen dataclasses, read from the environment (the reference system's
+names where it had one) and overridden by command-line flags. Every default is defined here and
+nowhere else; `.env.example` and README's table are generated from these fields (a test keeps them
+equal), and app/build.py makes every engine's and the decision core's options from them.
+
+A setting's name is unique across sections, so flags (`--canvas`) and `Settings.of(canvas=64)` take
+plain names; code reads them by section (`settings.decisions.canvas`).
 """
 
 from __future__ import annotations
@@ -8,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 # The engines this build has.
 ENGINES = ("hf", "vllm", "remote")
@@ -20,12 +24,24 @@ def _meta(env: str, help: str) -> dict:
 
 
 @dataclass(frozen=True)
-class Settings:
+class ServerSettings:
+    """The listeners, the key and the pages."""
+
     host: str = field(default="0.0.0.0", metadata=_meta("HOST", "interface the HTTP and HTTPS listeners bind"))
     port: int = field(default=8011, metadata=_meta("STRUCTURED_PORT", "HTTP port"))
     tls_port: int = field(default=0, metadata=_meta("TLS_PORT", "HTTPS port with a self-signed certificate; 0 = off"))
     cert_dir: str = field(default="certs", metadata=_meta("CERT_DIR", "where the self-signed certificate lives"))
     api_key: str = field(default="", metadata=_meta("API_KEY", "bearer token POST routes require; empty = open"))
+    pages: bool = field(default=True, metadata=_meta("TEST_PAGE", "1 serves the browser pages (/, /walk, /cube)"))
+
+    def problems(self) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """Which checkpoint answers, through which engine, on which device."""
+
     model: str = field(default="", metadata=_meta(
         "MODEL", "checkpoint directory or Hugging Face id; empty = $MODELS_DIR/$MODEL_NAME, else the tiny model"))
     models_dir: str = field(default="./models", metadata=_meta("MODELS_DIR", "where checkpoints live"))
@@ -34,6 +50,17 @@ class Settings:
     engine: str = field(default="hf", metadata=_meta(
         "ENGINE", "hf: transformers in this process; vllm: vLLM in this process; remote: vLLM servers at UPSTREAM"))
     device: str = field(default="auto", metadata=_meta("DEVICE", "auto, cpu, cuda or cuda:N"))
+
+    def problems(self) -> list[str]:
+        if self.engine not in ENGINES:
+            return [f"ENGINE must be one of {', '.join(ENGINES)}, not {self.engine!r}"]
+        return []
+
+
+@dataclass(frozen=True)
+class DecisionSettings:
+    """How decisions are read and answered, and the defaults of what a request leaves out."""
+
     canvas: int = field(default=128, metadata=_meta("CANVAS", "widest canvas a read may use, in tokens"))
     canvas_step: int = field(default=16, metadata=_meta("CANVAS_STEP", "canvas widths round up to this"))
     thought_placement: str = field(default="prompt", metadata=_meta(
@@ -43,9 +70,32 @@ class Settings:
     isolate: bool = field(default=False, metadata=_meta("ISOLATE", "1 reads every question in its own canvas"))
     default_seed: int = field(default=42, metadata=_meta(
         "DEFAULT_SEED", "seed of a request that sends none (decisions and raw generation)"))
-    auto_max: int = field(default=4, metadata=_meta("AUTO_MAX", "reads in all when samples is auto and a read is unsure"))
+    auto_max: int = field(default=4, metadata=_meta(
+        "AUTO_MAX", "reads in all when samples is auto and a read is unsure"))
     auto_threshold: float = field(default=0.1, metadata=_meta(
         "AUTO_THRESHOLD", "entropy (nats) of a label distribution past which auto reads again"))
+
+    def problems(self) -> list[str]:
+        problems = []
+        if self.thought_placement not in ("prompt", "canvas"):
+            problems.append(f"THOUGHT_PLACEMENT must be prompt or canvas, not {self.thought_placement!r}")
+        if self.confidence not in ("djev", "jev"):
+            problems.append(f"CONFIDENCE must be djev or jev, not {self.confidence!r}")
+        if not 16 <= self.canvas <= 4096:
+            problems.append(f"CANVAS must be 16 to 4096 tokens, not {self.canvas}")
+        if self.canvas_step < 1:
+            problems.append("CANVAS_STEP must be at least 1")
+        if self.auto_max < 1:
+            problems.append("AUTO_MAX must be at least 1")
+        if not self.auto_threshold >= 0:
+            problems.append("AUTO_THRESHOLD must be at least 0")
+        return problems
+
+
+@dataclass(frozen=True)
+class LimitSettings:
+    """What one request, and the server at once, may ask for."""
+
     max_samples: int = field(default=32, metadata=_meta("MAX_SAMPLES", "cap on samples and auto_max"))
     max_questions: int = field(default=256, metadata=_meta("MAX_QUESTIONS", "questions per request"))
     max_id_length: int = field(default=256, metadata=_meta("MAX_ID_LENGTH", "characters per question id"))
@@ -68,10 +118,28 @@ class Settings:
         "REQUEST_TIMEOUT", "seconds a decision or generation may take; then 504 and its queued work is dropped"))
     max_sessions: int = field(default=32, metadata=_meta(
         "MAX_SESSIONS", "camera sessions at once; more are refused with close code 1013"))
+
+    def problems(self) -> list[str]:
+        problems = []
+        for f in fields(self):
+            if f.name in ("max_think", "max_thought_tokens"):
+                if getattr(self, f.name) < 0:
+                    problems.append(f"{f.metadata['env']} must be at least 0")
+            elif f.name != "request_timeout" and getattr(self, f.name) < 1:
+                problems.append(f"{f.metadata['env']} must be at least 1")
+        if not self.request_timeout > 0:
+            problems.append("REQUEST_TIMEOUT must be more than 0 seconds")
+        return problems
+
+
+@dataclass(frozen=True)
+class HFSettings:
+    """The hf engine (transformers in this process)."""
+
     max_batch_rows: int = field(default=64, metadata=_meta("MAX_BATCH_ROWS", "canvases per decoder pass"))
     batch_gather_ms: float = field(default=20.0, metadata=_meta(
-        "BATCH_GATHER_MS", "hf: most ms a read batch waits for more reads under load, ending once as many canvases as the "
-        "last batch had are queued; 0 = never (docs/reliability.md)"))
+        "BATCH_GATHER_MS", "hf: most ms a read batch waits for more reads under load, ending once as many "
+        "canvases as the last batch had are queued; 0 = never (docs/reliability.md)"))
     kv_cache_entries: int = field(default=64, metadata=_meta(
         "KV_CACHE_ENTRIES", "encoded prompts kept for reuse (hf engine; the shared-prefix LRU keeps min(N, 16); "
         "0 turns both off)"))
@@ -83,12 +151,17 @@ class Settings:
     fused_moe: bool = field(default=True, metadata=_meta(
         "FUSED_MOE", "hf: 1 runs the experts as djev's two Triton kernels (CUDA only, needs Triton; "
         "0 = transformers' grouped_mm)"))
-    torch_threads: int = field(default=0, metadata=_meta("TORCH_THREADS", "CPU threads torch may use; 0 = torch's default"))
-    pages: bool = field(default=True, metadata=_meta("TEST_PAGE", "1 serves the browser pages (/, /walk, /cube)"))
-    log_level: str = field(default="info", metadata=_meta("LOG_LEVEL", "debug, info, warning"))
-    log_format: str = field(default="text", metadata=_meta(
-        "LOG_FORMAT", "text, or json: one JSON object per line with the request id"))
-    # The vLLM engines (--engine vllm | remote); names and defaults of the reference's container.
+    torch_threads: int = field(default=0, metadata=_meta(
+        "TORCH_THREADS", "CPU threads torch may use; 0 = torch's default"))
+
+    def problems(self) -> list[str]:
+        return ["MAX_BATCH_ROWS must be at least 1"] if self.max_batch_rows < 1 else []
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """The remote engine (vLLM OpenAI servers at UPSTREAM)."""
+
     upstream: tuple[str, ...] = field(default=(), metadata=_meta(
         "UPSTREAM", "remote: vLLM OpenAI server base URLs (repeat --upstream; env: comma-separated)"))
     upstream_connect_timeout: float = field(default=5.0, metadata=_meta(
@@ -97,6 +170,22 @@ class Settings:
         "UPSTREAM_READ_TIMEOUT", "remote: seconds an upstream may take to answer a request"))
     upstream_health_interval: float = field(default=5.0, metadata=_meta(
         "UPSTREAM_HEALTH_INTERVAL", "remote: seconds between health checks of the upstreams"))
+
+    def problems(self) -> list[str]:
+        problems = []
+        for url in self.upstream:
+            if not url.startswith(("http://", "https://")):
+                problems.append(f"UPSTREAM {url!r} must start with http:// or https://")
+        for f in fields(self):
+            if f.name != "upstream" and not getattr(self, f.name) > 0:
+                problems.append(f"{f.metadata['env']} must be more than 0 seconds")
+        return problems
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """The vllm engine (vLLM in this process); names and defaults of the reference's container."""
+
     max_seqs: int = field(default=32, metadata=_meta("MAX_SEQS", "vllm: --max-num-seqs (canvases at once)"))
     max_model_len: int = field(default=4096, metadata=_meta(
         "MAX_MODEL_LEN", "vllm: prompt + canvas tokens per request (131072 in the long-context profile)"))
@@ -115,75 +204,99 @@ class Settings:
     torch_mem_fraction: float = field(default=0.0, metadata=_meta(
         "TORCH_MEM_FRACTION", "vllm: cap torch's share of GPU memory in this process; 0 = off"))
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
-        """Environment first, then explicit overrides (flags); a None override means 'not given'."""
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get(f.metadata["env"])
-            if raw is not None and raw.strip() != "":
-                values[f.name] = _convert(f, raw.strip())
-        values.update({k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v is not None})
-        settings = cls(**values)
-        settings.validate()
-        return settings
-
-    def validate(self) -> None:
+    def problems(self) -> list[str]:
         problems = []
-        if self.engine not in ENGINES:
-            problems.append(f"ENGINE must be one of {', '.join(ENGINES)}, not {self.engine!r}")
-        if self.thought_placement not in ("prompt", "canvas"):
-            problems.append(f"THOUGHT_PLACEMENT must be prompt or canvas, not {self.thought_placement!r}")
-        if self.log_format not in LOG_FORMATS:
-            problems.append(f"LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, not {self.log_format!r}")
-        if self.confidence not in ("djev", "jev"):
-            problems.append(f"CONFIDENCE must be djev or jev, not {self.confidence!r}")
-        if not 16 <= self.canvas <= 4096:
-            problems.append(f"CANVAS must be 16 to 4096 tokens, not {self.canvas}")
-        if self.canvas_step < 1:
-            problems.append("CANVAS_STEP must be at least 1")
-        for name in ("max_samples", "max_questions", "max_body_bytes", "max_images", "max_image_bytes",
-                     "max_total_image_bytes", "max_image_pixels", "max_prompt_tokens", "max_inflight",
-                     "max_batch_rows", "auto_max", "max_id_length", "max_steps", "max_inflight_cost",
-                     "max_sessions"):
-            if getattr(self, name) < 1:
-                problems.append(f"{_env_name(name)} must be at least 1")
-        for name in ("max_think", "max_thought_tokens"):
-            if getattr(self, name) < 0:
-                problems.append(f"{_env_name(name)} must be at least 0")
-        if not self.request_timeout > 0:
-            problems.append("REQUEST_TIMEOUT must be more than 0 seconds")
-        if not self.auto_threshold >= 0:
-            problems.append("AUTO_THRESHOLD must be at least 0")
-        problems.extend(self._vllm_problems())
-        if problems:
-            raise ValueError("; ".join(problems))
-
-    def _vllm_problems(self) -> list[str]:
-        problems = []
-        if self.engine == "remote" and not self.upstream:
-            problems.append("ENGINE remote needs at least one UPSTREAM (--upstream http://host:port)")
-        for url in self.upstream:
-            if not url.startswith(("http://", "https://")):
-                problems.append(f"UPSTREAM {url!r} must start with http:// or https://")
-        for name in ("upstream_connect_timeout", "upstream_read_timeout", "upstream_health_interval"):
-            if not getattr(self, name) > 0:
-                problems.append(f"{_env_name(name)} must be more than 0 seconds")
-        if self.max_seqs < 1 or self.max_model_len < self.canvas + 1:
-            problems.append(f"MAX_SEQS must be at least 1 and MAX_MODEL_LEN more than CANVAS ({self.canvas})")
         if not 0 < self.gpu_util <= 1 or not 0 <= self.torch_mem_fraction <= 1:
             problems.append("GPU_UTIL must be in (0, 1] and TORCH_MEM_FRACTION in [0, 1]")
         if self.kv_cache_gb < 0 or self.max_num_batched_tokens < 0:
             problems.append("KV_CACHE_GB and MAX_NUM_BATCHED_TOKENS must be at least 0")
         return problems
 
-    def replace(self, **changes: Any) -> "Settings":
-        return dataclasses.replace(self, **changes)
+
+@dataclass(frozen=True)
+class LogSettings:
+    """What the server logs, and how."""
+
+    log_level: str = field(default="info", metadata=_meta("LOG_LEVEL", "debug, info, warning"))
+    log_format: str = field(default="text", metadata=_meta(
+        "LOG_FORMAT", "text, or json: one JSON object per line with the request id"))
+
+    def problems(self) -> list[str]:
+        if self.log_format not in LOG_FORMATS:
+            return [f"LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, not {self.log_format!r}"]
+        return []
 
 
-def _env_name(field_name: str) -> str:
-    return next(f.metadata["env"] for f in fields(Settings) if f.name == field_name)
+@dataclass(frozen=True)
+class Settings:
+    """Every setting, by section. `Settings()` is the defaults; `from_env` reads the environment."""
+
+    server: ServerSettings = field(default_factory=ServerSettings)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    decisions: DecisionSettings = field(default_factory=DecisionSettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
+    hf: HFSettings = field(default_factory=HFSettings)
+    remote: RemoteSettings = field(default_factory=RemoteSettings)
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    logs: LogSettings = field(default_factory=LogSettings)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Environment first, then explicit overrides by setting name (flags); a None override means
+        'not given'. Refuses bad values with a ValueError that names each variable."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for _, f in setting_fields():
+            raw = env.get(f.metadata["env"])
+            if raw is not None and raw.strip() != "":
+                values[f.name] = _convert(f, raw.strip())
+        values.update({k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v is not None})
+        return cls().replace(**values)
+
+    @classmethod
+    def of(cls, **values: Any) -> "Settings":
+        """The defaults with these settings changed, by name (`Settings.of(canvas=64)`); no environment."""
+        return cls().replace(**values)
+
+    def replace(self, **values: Any) -> "Settings":
+        """A copy with these settings changed, by name, validated."""
+        changes: dict[str, dict[str, Any]] = {}
+        for name, value in values.items():
+            section = SECTION_OF.get(name)
+            if section is None:
+                raise TypeError(f"no setting named {name!r}")
+            changes.setdefault(section, {})[name] = value
+        sections = {section: dataclasses.replace(getattr(self, section), **named) for section, named in changes.items()}
+        settings = dataclasses.replace(self, **sections)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        problems: list[str] = []
+        for f in fields(self):
+            problems.extend(getattr(self, f.name).problems())
+        if self.runtime.engine == "remote" and not self.remote.upstream:
+            problems.append("ENGINE remote needs at least one UPSTREAM (--upstream http://host:port)")
+        if self.vllm.max_seqs < 1 or self.vllm.max_model_len < self.decisions.canvas + 1:
+            problems.append(f"MAX_SEQS must be at least 1 and MAX_MODEL_LEN more than CANVAS ({self.decisions.canvas})")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def setting_fields() -> Iterator[tuple[str, dataclasses.Field]]:
+    """(section name, field) for every setting, in the order flags, .env.example and README list them."""
+    for section in fields(Settings):
+        for f in fields(_section_type(section)):
+            yield section.name, f
+
+
+def _section_type(section: dataclasses.Field) -> type:
+    factory = section.default_factory
+    assert isinstance(factory, type)
+    return factory
+
+
+SECTION_OF = {f.name: section for section, f in setting_fields()}
 
 
 def _convert(f: dataclasses.Field, raw: str) -> Any:
@@ -220,7 +333,7 @@ def field_kind(f: dataclasses.Field) -> type:
 def env_table() -> list[tuple[str, str, str]]:
     """(variable, default, meaning) for every setting: the README and .env.example are built on it."""
     rows = []
-    for f in fields(Settings):
+    for _, f in setting_fields():
         default = f.default
         if isinstance(default, bool):
             default = "1" if default else "0"

@@ -120,10 +120,10 @@ class JsonFormatter(logging.Formatter):
 def make_handler(settings: Settings, stream: IO[str] | None = None) -> logging.Handler:
     """The handler `configure_logging` installs: LOG_FORMAT's formatter, the request id, redaction."""
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(JsonFormatter() if settings.log_format == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter() if settings.logs.log_format == "json" else TextFormatter())
     handler.addFilter(WireFilter())
     handler.addFilter(RequestIdFilter())
-    handler.addFilter(RedactFilter(settings.api_key))
+    handler.addFilter(RedactFilter(settings.server.api_key))
     return handler
 
 
@@ -136,5 +136,5 @@ def configure_logging(settings: Settings, stream: IO[str] | None = None) -> logg
         old.close()
     handler = make_handler(settings, stream)
     root.addHandler(handler)
-    root.setLevel(settings.log_level.upper())
+    root.setLevel(settings.logs.log_level.upper())
     return handler

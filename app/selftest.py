@@ -48,7 +48,7 @@ def check_answer(status: int, body: Any) -> dict:
 def _post(url: str, settings: Settings, timeout: float) -> tuple[int, Any]:
     import httpx
 
-    headers = {"authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    headers = {"authorization": f"Bearer {settings.server.api_key}"} if settings.server.api_key else {}
     # verify=False: the image's TLS certificate is self-signed, and the check talks to its own host.
     with httpx.Client(timeout=timeout, verify=False) as client:
         response = client.post(url.rstrip("/") + "/v1/systemone", json=DECISION, headers=headers)
@@ -68,10 +68,10 @@ def _in_process(settings: Settings, timeout: float) -> tuple[int, Any, str]:
         deadline = time.monotonic() + timeout
         while not reader.ready:  # the lifespan starts the reader; vLLM takes a while
             if time.monotonic() > deadline:
-                raise SelftestFailure(f"engine {settings.engine} not ready after {timeout:.0f} s")
+                raise SelftestFailure(f"engine {settings.runtime.engine} not ready after {timeout:.0f} s")
             time.sleep(0.2)
         status, body = _post(url, settings, timeout)
-    return status, body, f"{settings.engine} in process"
+    return status, body, f"{settings.runtime.engine} in process"
 
 
 def run_selftest(settings: Settings, url: str | None, timeout: float) -> int:

@@ -49,7 +49,7 @@ def create_app(settings: Settings, reader: Reader, extra_routes: list | None = N
         *openai.routes,
         *raw.routes,
         *stream.routes,
-        *(pages.routes if settings.pages else []),
+        *(pages.routes if settings.server.pages else []),
         *(extra_routes or []),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=exception_handlers())
@@ -57,7 +57,7 @@ def create_app(settings: Settings, reader: Reader, extra_routes: list | None = N
     # Added last = outermost: the request id and the last-resort error reply wrap everything, and
     # the request metrics wrap those (a 401 or 500 from the front door is counted too).
     app.add_middleware(SecurityHeaders)
-    app.add_middleware(FrontDoor, api_key=settings.api_key)
+    app.add_middleware(FrontDoor, api_key=settings.server.api_key)
     app.add_middleware(RequestMetrics, metrics=services.metrics)
     return app
 
@@ -102,14 +102,14 @@ async def serve_app(app: Starlette, settings: Settings, ssl: tuple[str, str] | N
     import uvicorn
 
     # log_config=None: uvicorn logs through the root logger `djev serve` configured (one format).
-    common = dict(log_level=settings.log_level.lower(), access_log=False, proxy_headers=False, log_config=None,
-                  ws_max_size=settings.max_image_bytes + 65536, timeout_graceful_shutdown=5)
-    http = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on", **common))
+    common = dict(log_level=settings.logs.log_level.lower(), access_log=False, proxy_headers=False, log_config=None,
+                  ws_max_size=settings.limits.max_image_bytes + 65536, timeout_graceful_shutdown=5)
+    http = uvicorn.Server(uvicorn.Config(app, host=settings.server.host, port=settings.server.port, lifespan="on", **common))
     servers = [http]
-    if ssl is not None and settings.tls_port:
+    if ssl is not None and settings.server.tls_port:
         certfile, keyfile = ssl
         https = uvicorn.Server(uvicorn.Config(
-            app, host=settings.host, port=settings.tls_port, lifespan="off",
+            app, host=settings.server.host, port=settings.server.tls_port, lifespan="off",
             ssl_certfile=certfile, ssl_keyfile=keyfile, **common,
         ))
         https.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -157,7 +157,7 @@ def _serve(which: str, checkpoint: Path, port: int, threads: int) -> None:
     from app.server import create_app, serve_app
 
     set_torch_threads(threads)
-    config = Settings(host="127.0.0.1", port=port, pages=False, log_level="warning")
+    config = Settings.of(host="127.0.0.1", port=port, pages=False, log_level="warning")
     app = create_app(config, tiny_reader(checkpoint, config)) if which == "djev" else floor_app()
     asyncio.run(serve_app(app, config))
 

@@ -130,15 +130,15 @@ def build_reader(args: argparse.Namespace) -> Any:
     on_cuda = device.type == "cuda"
     experts = "grouped_mm" if on_cuda else None
     model = build_model(config, args.device, torch.bfloat16 if on_cuda else torch.float32, experts)
-    settings = Settings(device=args.device, torch_compile=args.compile, fused_moe=args.fused_moe)
+    settings = Settings.of(device=args.device, torch_compile=args.compile, fused_moe=args.fused_moe)
     options = hf_options(settings, "random-26B-A4B" if not args.tiny else "tiny", tiny=args.tiny)
-    runner = DiffusionRunner(model, image_processor, device=device, max_prompt_tokens=settings.max_prompt_tokens,
-                             kv_entries=settings.kv_cache_entries, max_rows=settings.max_batch_rows,
+    runner = DiffusionRunner(model, image_processor, device=device, max_prompt_tokens=settings.limits.max_prompt_tokens,
+                             kv_entries=settings.hf.kv_cache_entries, max_rows=settings.hf.max_batch_rows,
                              cuda_graphs=not args.eager)
     tokenizer = HFChatTokenizer(hf_tokenizer, vocab_size=int(config.text_config.vocab_size),
                                 image_token_id=int(config.image_token_id))
     info = ReaderInfo(model=options.served_name, engine="hf", device=args.device, tiny=args.tiny,
-                      canvas_length=settings.canvas)
+                      canvas_length=settings.decisions.canvas)
     return HFReader(runner, tokenizer, info, options), settings, model
 
 

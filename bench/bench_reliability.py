@@ -204,7 +204,7 @@ def faults(checkpoint: Path) -> dict[str, Any]:
     from app.config import Settings
     from app.server import create_app
 
-    settings = Settings(host="127.0.0.1", pages=False, log_level="warning", request_timeout=2.0)
+    settings = Settings.of(host="127.0.0.1", pages=False, log_level="warning", request_timeout=2.0)
     reader = _FaultyReader(tiny_reader(checkpoint, settings))
     app = create_app(settings, reader)
     out: dict[str, Any] = {}
@@ -273,10 +273,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     checkpoint = tiny_checkpoint()
     results: dict[str, Any] = {"machine": machine(), "command": command_line(), "cpus": os.cpu_count()}
     if wanted & {"health", "load", "think"}:
-        settings = Settings(host="127.0.0.1", pages=False, log_level="warning")
+        settings = Settings.of(host="127.0.0.1", pages=False, log_level="warning")
         if args.gather_ms is not None:
             settings = settings.replace(batch_gather_ms=args.gather_ms)
-        results["batch_gather_ms"] = settings.batch_gather_ms
+        results["batch_gather_ms"] = settings.hf.batch_gather_ms
         app = create_app(settings, tiny_reader(checkpoint, settings))
         with live_server(app) as url:
             if "health" in wanted:

@@ -294,7 +294,7 @@ def tiny_server(checkpoint: Path, **settings: Any) -> Iterator[tuple[str, Any]]:
     from app.config import Settings
     from app.server import create_app
 
-    config = Settings(host="127.0.0.1", pages=False, log_level="warning", **settings)
+    config = Settings.of(host="127.0.0.1", pages=False, log_level="warning", **settings)
     reader = tiny_reader(checkpoint, config)
     app = create_app(config, reader)
     with live_server(app, ws_max_size=config.max_image_bytes + 65536) as url:

@@ -117,12 +117,12 @@ def check_memory(model: Path, config: dict) -> None:
     if weights == 0:
         fail(f"no *.safetensors files in {model}")
     copies = env_float("TRANSIENT_COPIES", 2)
-    transient = int(settings.max_seqs * settings.canvas * vocab * 4 * copies // GIB) + 1
+    transient = int(settings.vllm.max_seqs * settings.decisions.canvas * vocab * 4 * copies // GIB) + 1
     headroom = env_float("HEADROOM_GB", 12)
-    need = weights + settings.kv_cache_gb + transient + headroom
+    need = weights + settings.vllm.kv_cache_gb + transient + headroom
     available = mem_available_gib(os.environ.get("MEMINFO", "/proc/meminfo"))
     print(f"memory: {available:.1f} GB available, need {need:.1f} (weights {weights:.1f} + KV "
-          f"{settings.kv_cache_gb:g} + start-up transient {transient} [{settings.max_seqs} seqs x {settings.canvas} "
+          f"{settings.vllm.kv_cache_gb:g} + start-up transient {transient} [{settings.vllm.max_seqs} seqs x {settings.decisions.canvas} "
           f"canvas x {vocab} vocab x {copies:g} fp32 copies] + headroom {headroom:g})")
     if available < need:
         fail("refusing to start: not enough memory; stop other models first, or lower MAX_SEQS, CANVAS or "

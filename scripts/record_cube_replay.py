@@ -59,7 +59,7 @@ def tiny_server() -> Iterator[str]:
 
     with tempfile.TemporaryDirectory(prefix="djev-tiny-") as folder:
         checkpoint = write_tiny_model(Path(folder) / "model")
-        reader = load_hf_reader(checkpoint, hf_options(Settings(device="cpu"), TINY_MODEL_NAME, tiny=True))
+        reader = load_hf_reader(checkpoint, hf_options(Settings.of(device="cpu"), TINY_MODEL_NAME, tiny=True))
         with serve_in_background(create_app(Settings(), reader)) as url:
             yield url
 

@@ -28,7 +28,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def make_tiny_reader(tiny_dir: Path, **settings):
     """A fresh reader on the tiny checkpoint: a reader belongs to one event loop (one app)."""
-    return load_hf_reader(tiny_dir, hf_options(Settings(device="cpu", **settings), TINY_MODEL_NAME, tiny=True))
+    return load_hf_reader(tiny_dir, hf_options(Settings.of(device="cpu", **settings), TINY_MODEL_NAME, tiny=True))
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ def test_env_example_matches_the_settings():
 
 def test_env_values_are_read_and_converted():
     settings = Settings.from_env({"STRUCTURED_PORT": "9000", "TEST_PAGE": "0", "API_KEY": "k", "CANVAS": "64"})
-    assert (settings.port, settings.pages, settings.api_key, settings.canvas) == (9000, False, "k", 64)
+    assert (settings.server.port, settings.server.pages, settings.server.api_key, settings.decisions.canvas) == (9000, False, "k", 64)
     assert build.limits(settings).max_samples == 32 and build.read_settings(settings).canvas_length == 64
 
 
@@ -29,8 +29,8 @@ def test_flags_override_the_environment(monkeypatch):
     monkeypatch.setenv("CONFIDENCE", "jev")
     args = build_parser().parse_args(["serve", "--port", "9100", "--no-pages", "--isolate"])
     settings = settings_from_args(args)
-    assert settings.port == 9100 and settings.pages is False and settings.isolate is True
-    assert settings.confidence == "jev"
+    assert settings.server.port == 9100 and settings.server.pages is False and settings.decisions.isolate is True
+    assert settings.decisions.confidence == "jev"
 
 
 @pytest.mark.parametrize("env, message", [

@@ -42,7 +42,7 @@ def root_logging():
 
 def configured(fmt: str, level: str = "debug", api_key: str = "") -> io.StringIO:
     out = io.StringIO()
-    configure_logging(Settings(log_format=fmt, log_level=level, api_key=api_key), stream=out)
+    configure_logging(Settings.of(log_format=fmt, log_level=level, api_key=api_key), stream=out)
     return out
 
 
@@ -95,11 +95,11 @@ def test_text_puts_the_request_id_at_the_end_of_the_first_line(root_logging):
 
 def test_configure_logging_replaces_earlier_setup_and_sets_the_level(root_logging):
     logging.basicConfig(force=True, format="%(message)s")
-    handler = configure_logging(Settings(log_level="warning"), stream=io.StringIO())
+    handler = configure_logging(Settings.of(log_level="warning"), stream=io.StringIO())
     root = logging.getLogger()
     assert root.handlers == [handler]
     assert root.level == logging.WARNING
-    configure_logging(Settings(log_level="debug", log_format="json"), stream=io.StringIO())
+    configure_logging(Settings.of(log_level="debug", log_format="json"), stream=io.StringIO())
     assert len(root.handlers) == 1 and root.level == logging.DEBUG
 
 
@@ -132,7 +132,7 @@ def test_djev_serve_sets_up_logging_from_its_settings(root_logging, monkeypatch)
     monkeypatch.setattr(cli, "serve", lambda settings: served.append(settings) or 0)
     assert cli.main(["serve", "--log-format", "json", "--log-level", "warning"]) == 0
     root = logging.getLogger()
-    assert served and served[0].log_format == "json"
+    assert served and served[0].logs.log_format == "json"
     assert len(root.handlers) == 1 and isinstance(root.handlers[0].formatter, JsonFormatter)
     assert root.level == logging.WARNING
 
@@ -173,7 +173,7 @@ def test_no_api_key_and_no_request_body_in_any_log_at_debug(tiny_dir, root_loggi
     out = configured(fmt, level="debug", api_key=KEY)
     wrong_key = f"sk-wrong-{MARK}"
     auth = {"authorization": f"Bearer {KEY}"}
-    app = create_app(Settings(api_key=KEY, log_level="debug", log_format=fmt), make_tiny_reader(tiny_dir))
+    app = create_app(Settings.of(api_key=KEY, log_level="debug", log_format=fmt), make_tiny_reader(tiny_dir))
     with live_server(app, log_config=None, log_level="debug") as url, httpx.Client(base_url=url, timeout=120) as client:
         assert client.post("/v1/systemone", json=decision(MARK), headers=auth).status_code == 200
         assert client.post("/v1/systemone", json=decision(MARK), headers={"authorization": f"Bearer {wrong_key}"}).status_code in (401, 403)

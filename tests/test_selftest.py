@@ -12,7 +12,7 @@ from tests.conftest import live_server, make_tiny_reader
 
 
 def test_in_process_on_the_configured_engine(tiny_dir: Path, capsys):
-    assert run_selftest(Settings(model=str(tiny_dir), device="cpu"), None, 60) == 0
+    assert run_selftest(Settings.of(model=str(tiny_dir), device="cpu"), None, 60) == 0
     out = capsys.readouterr().out
     assert "selftest ok: hf in process, model djev-tiny-random" in out
     for line in ('  urgent: {"noul"', '  team: {"choice"', '  tone: {"confidence"', "  usage: {"):
@@ -20,12 +20,12 @@ def test_in_process_on_the_configured_engine(tiny_dir: Path, capsys):
 
 
 def test_against_a_running_server_with_an_api_key(tiny_dir: Path, capsys):
-    settings = Settings(device="cpu", api_key="s3cret")
+    settings = Settings.of(device="cpu", api_key="s3cret")
     with live_server(create_app(settings, make_tiny_reader(tiny_dir))) as url:
         assert run_selftest(settings, url, 30) == 0
         assert f"selftest ok: {url}" in capsys.readouterr().out
         # Without the key the server refuses (Jev: 403), and the self-test says so.
-        assert run_selftest(Settings(device="cpu"), url, 30) == 1
+        assert run_selftest(Settings.of(device="cpu"), url, 30) == 1
         assert "selftest FAILED: HTTP 403" in capsys.readouterr().out
 
 

@@ -159,7 +159,7 @@ def test_a_broken_authority_is_replaced_and_the_server_certificate_reissued(tmp_
 
 
 def test_the_authority_is_served_for_a_phone_to_install(tiny_dir, tmp_path):
-    settings = Settings(cert_dir=str(tmp_path))
+    settings = Settings.of(cert_dir=str(tmp_path))
     with TestClient(create_app(settings, make_tiny_reader(tiny_dir))) as client:
         missing = client.get("/djev-ca.crt")
         assert missing.status_code == 404 and "--tls-port" in missing.text

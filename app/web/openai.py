@@ -44,7 +44,7 @@ def completion(model: str, content: str, prompt_tokens: int, completion_tokens: 
 async def chat_completions(request: Request) -> Response:
     svc = services(request)
     try:
-        raw = await read_raw(request, svc.settings.max_body_bytes)
+        raw = await read_raw(request, svc.settings.limits.max_body_bytes)
         prepared = await svc.prepare(prepare, raw.inline_size, svc, raw, True)
         outcome = await decide(svc, prepared, "structured", request.receive)
     except Exception as exc:  # noqa: BLE001 - every failure goes through the one map, refusals as 400

@@ -40,7 +40,7 @@ def page_context(services: "Services", path: str) -> dict:
         "engine": info.engine,
         "device": info.device,
         "tiny": info.tiny,
-        "key_required": bool(services.settings.api_key),
+        "key_required": bool(services.settings.server.api_key),
         "path": path,
     }
 
@@ -76,7 +76,7 @@ async def ca_certificate(request: Request) -> Response:
     # phone to install once so that the HTTPS port is trusted. Absent until TLS was first enabled.
     from app.tls import CA_CERT_NAME
 
-    path = Path(request.app.state.services.settings.cert_dir) / CA_CERT_NAME
+    path = Path(request.app.state.services.settings.server.cert_dir) / CA_CERT_NAME
     if not path.is_file():
         return Response("no local certificate authority yet: start djev with --tls-port\n", status_code=404,
                         media_type="text/plain")

@@ -87,7 +87,7 @@ def _prepare(svc: Services, raw: RawBody) -> tuple[RawRequest, tuple[int, ...]]:
     """Parse and read the body and render the prompt (blocking: worker pool, whatever the body's
     size: the conversation's shape is the client's, and a new one renders the chat template under
     the tokenizer's lock)."""
-    request = parse_raw(parse_payload(raw, svc.settings.max_body_bytes).body, svc.settings.default_seed)
+    request = parse_raw(parse_payload(raw, svc.settings.limits.max_body_bytes).body, svc.settings.decisions.default_seed)
     ids = tuple(svc.reader.tokenizer.render_messages(list(request.messages), 0, thinking=False))
     return request, ids
 
@@ -116,10 +116,10 @@ class _Reply:
 
 async def raw_chat_completions(request: Request) -> Response:
     svc = services(request)
-    raw = await read_raw(request, svc.settings.max_body_bytes)
+    raw = await read_raw(request, svc.settings.limits.max_body_bytes)
     relay = getattr(svc.reader, "relay_chat", None)
     if relay is not None:
-        payload = await svc.prepare(parse_payload, raw.inline_size, raw, svc.settings.max_body_bytes)
+        payload = await svc.prepare(parse_payload, raw.inline_size, raw, svc.settings.limits.max_body_bytes)
         return await _relay(svc, request, relay, payload.body)
     parsed, ids = await svc.offload(_prepare, svc, raw)
     svc.admission.check_fits(parsed.max_tokens, "max_tokens")

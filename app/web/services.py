@@ -58,7 +58,7 @@ class Services:
             reader=reader,
             # The decider plans in the same bounded pool as parsing and validation.
             decider=Decider(reader, read_settings(settings), offload=functools.partial(_offload_in, workers)),
-            admission=Admission(settings.max_inflight, settings.max_inflight_cost),
+            admission=Admission(settings.limits.max_inflight, settings.limits.max_inflight_cost),
             workers=workers,
         )
 

@@ -116,7 +116,7 @@ class StreamSession:
     # ------------------------------------------------------------------ receiving
 
     async def authenticate(self, offered_token: str | None) -> None:
-        api_key = self.services.settings.api_key
+        api_key = self.services.settings.server.api_key
         if not api_key or key_matches(api_key, offered_token):
             return
         try:
@@ -144,8 +144,8 @@ class StreamSession:
                 raise Closing(CLOSE_FLOOD, f"too many messages: at most {RATE_PER_SECOND:.0f} a second")
             if message.get("bytes") is not None:
                 data = message["bytes"]
-                if len(data) > settings.max_image_bytes:
-                    raise Closing(CLOSE_TOO_BIG, f"frame of {len(data)} bytes; the limit is {settings.max_image_bytes}")
+                if len(data) > settings.limits.max_image_bytes:
+                    raise Closing(CLOSE_TOO_BIG, f"frame of {len(data)} bytes; the limit is {settings.limits.max_image_bytes}")
                 self.offer(await self.frame_from_bytes(data, "image/jpeg"))
             elif message.get("text") is not None:
                 await self.handle_text(message["text"])
@@ -154,7 +154,7 @@ class StreamSession:
         self.frames += 1
         image = ImageInput(data=data, content_type=content_type, source=f"frame {self.frames}")
         try:
-            await self.services.offload(check_images, [image], self.services.settings.max_image_pixels)
+            await self.services.offload(check_images, [image], self.services.settings.limits.max_image_pixels)
         except HTTPError as exc:
             code = CLOSE_TOO_BIG if exc.status in (400, 413) else CLOSE_UNSUPPORTED
             raise Closing(code, exc.message) from None
@@ -162,7 +162,7 @@ class StreamSession:
 
     async def handle_text(self, text: str) -> None:
         settings = self.services.settings
-        if len(text) > max(MAX_TEXT_BYTES, settings.max_image_bytes * 4 // 3 + 1024):
+        if len(text) > max(MAX_TEXT_BYTES, settings.limits.max_image_bytes * 4 // 3 + 1024):
             raise Closing(CLOSE_TOO_BIG, "message too large")
         try:
             # A frame sent as a data URL is megabytes of JSON: parsed in the worker pool.
@@ -186,7 +186,7 @@ class StreamSession:
         if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
             raise Closing(CLOSE_UNSUPPORTED, "a frame message needs image: data:image/...;base64,...")
         header, payload = url.split(",", 1)
-        if len(payload) * 3 // 4 > self.services.settings.max_image_bytes:
+        if len(payload) * 3 // 4 > self.services.settings.limits.max_image_bytes:
             raise Closing(CLOSE_TOO_BIG, "frame over the image size limit")
         try:
             data = await self.services.offload(_b64decode, payload)
@@ -291,7 +291,7 @@ async def stream(websocket: WebSocket) -> None:
     services: Services = websocket.app.state.services
     subprotocol, token = _offered(websocket)
     await websocket.accept(subprotocol=subprotocol)
-    limit = services.settings.max_sessions
+    limit = services.settings.limits.max_sessions
     if len(services.sessions) >= limit:
         await _close(websocket, CLOSE_TRY_LATER, f"too many camera sessions: at most {limit}; try again later")
         return
@@ -303,7 +303,7 @@ async def stream(websocket: WebSocket) -> None:
         await session.send({
             "type": "ready", "session": session.id, "model": info.model, "engine": info.engine,
             "device": info.device, "tiny": info.tiny,
-            "limits": {"frame_bytes": services.settings.max_image_bytes, "messages_per_second": RATE_PER_SECOND},
+            "limits": {"frame_bytes": services.settings.limits.max_image_bytes, "messages_per_second": RATE_PER_SECOND},
         })
         await supervise(session)
     except Exception as raised:  # noqa: BLE001 - every way a session ends is handled here

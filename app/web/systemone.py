@@ -26,7 +26,7 @@ RELEASE_DATE = "2026-11-29"
 
 async def systemone(request: Request) -> Response:
     svc = services(request)
-    raw = await read_raw(request, svc.settings.max_body_bytes)
+    raw = await read_raw(request, svc.settings.limits.max_body_bytes)
     prepared = await svc.prepare(prepare, raw.inline_size, svc, raw)
     outcome = await decide(svc, prepared, "systemone", request.receive)
     return await json_reply(svc, jev_body(svc.reader.info.model, outcome), options_in(prepared.decision))

@@ -46,7 +46,7 @@ async def guarded(svc: Services, work: Callable[[], Awaitable[T]], receive: Rece
                 scope.cancel()
                 return
 
-    with anyio.fail_after(svc.settings.request_timeout):
+    with anyio.fail_after(svc.settings.limits.request_timeout):
         try:
             async with anyio.create_task_group() as group:
                 if receive is not None:
@@ -83,7 +83,7 @@ def prepare(svc: Services, raw: RawBody, chat_form: bool = False) -> Prepared:
     """Parse, validate and price a decision request (blocking: `Services.prepare` runs it inline for a
     small plain body, in the worker pool otherwise)."""
     settings = svc.settings
-    payload = parse_payload(raw, settings.max_body_bytes)
+    payload = parse_payload(raw, settings.limits.max_body_bytes)
     body = chat_to_body(payload.body) if chat_form else payload.body
     decision = parse_decision(body, svc.limits, images=payload.images, assets=payload.assets)
     return Prepared(decision, checked_plan(svc, decision), payload.body)
@@ -91,7 +91,7 @@ def prepare(svc: Services, raw: RawBody, chat_form: bool = False) -> Prepared:
 
 def checked_plan(svc: Services, decision: Decision) -> Plan:
     """The decision's images checked and its plan made (blocking: part of `prepare`)."""
-    check_images(decision.images, svc.settings.max_image_pixels)
+    check_images(decision.images, svc.settings.limits.max_image_pixels)
     return priced_plan(svc, decision)
 
 

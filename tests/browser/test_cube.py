@@ -295,7 +295,7 @@ def test_a_server_with_an_api_key_waits_for_the_key(page_factory, tiny_dir):
     from app.server import create_app
     from tests.conftest import live_server, make_tiny_reader
 
-    with live_server(create_app(Settings(api_key="cube-key"), make_tiny_reader(tiny_dir))) as url:
+    with live_server(create_app(Settings.of(api_key="cube-key"), make_tiny_reader(tiny_dir))) as url:
         page = open_cube(page_factory, url)
         page.wait_for_function("() => document.getElementById('status').textContent.includes('api key')", timeout=15_000)
         assert page.evaluate(BOARD)["state"] == "idle"  # no automatic run without the key

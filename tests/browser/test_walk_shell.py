@@ -63,7 +63,7 @@ def test_the_manifest_and_its_icons_load(tokenizer):
 
 
 def test_no_pages_means_no_manifest_or_worker(tokenizer):
-    with TestClient(create_app(Settings(pages=False), ScriptedReader(tokenizer))) as client:
+    with TestClient(create_app(Settings.of(pages=False), ScriptedReader(tokenizer))) as client:
         assert client.get("/walk.webmanifest").status_code == 404
         assert client.get("/sw.js").status_code == 404
 

@@ -36,7 +36,7 @@ DEPS = {
 TWELVE = {f"w{i}": {"type": "noul", "instructions": f"Is word {i} a name?"} for i in range(12)}
 
 
-def decide(reader, settings=build.read_settings(Settings(canvas=64)), **body):
+def decide(reader, settings=build.read_settings(Settings.of(canvas=64)), **body):
     body.setdefault("state", STATE)
     body.setdefault("questions", SCHEMA)
     return asyncio.run(Decider(reader, settings).decide(parse_decision(body, LIMITS)))
@@ -276,7 +276,7 @@ def test_steps_pass_through_to_the_reads(scripted):
 
 def test_thought_placement_in_the_canvas(tokenizer):
     reader = ScriptedReader(tokenizer)
-    decide(reader, build.read_settings(Settings(canvas=64, thought_placement="canvas")), samples=1)
+    decide(reader, build.read_settings(Settings.of(canvas=64, thought_placement="canvas")), samples=1)
     spec = reader.reads[0]
     head = scaffold(tokenizer)
     assert spec.canvases[0][: len(head)] == head
@@ -293,7 +293,7 @@ def test_a_template_past_the_canvas_is_refused(scripted):
     outcome = decide(scripted, questions=huge, samples=1)  # one question fits a small canvas
     assert outcome.answers["big"]["choice"] == "o0"
     with pytest.raises(RequestError) as info:  # the thought block in the canvas leaves no room
-        decide(scripted, dataclasses.replace(build.read_settings(Settings(thought_placement="canvas")), canvas_length=8), samples=1)
+        decide(scripted, dataclasses.replace(build.read_settings(Settings.of(thought_placement="canvas")), canvas_length=8), samples=1)
     assert "the canvas holds 7" in info.value.message and info.value.status == 422
 
 
@@ -313,7 +313,7 @@ def image_inputs(n=1):
     return tuple(ImageInput(data=b"png-%d" % i, content_type="image/png", source=f"part 'photo{i}'") for i in range(n))
 
 
-def decide_with_images(reader, images, settings=build.read_settings(Settings(canvas=64)), **body):
+def decide_with_images(reader, images, settings=build.read_settings(Settings.of(canvas=64)), **body):
     body.setdefault("state", STATE)
     body.setdefault("questions", SCHEMA)
     return asyncio.run(Decider(reader, settings).decide(parse_decision(body, LIMITS, images=images)))
@@ -354,7 +354,7 @@ def test_image_think_that_leaves_no_room_is_refused(scripted):
     from app.decisions.errors import RequestError
 
     with pytest.raises(RequestError) as info:
-        decide_with_images(scripted, image_inputs(), build.read_settings(Settings(canvas=24)), think=64, samples=1)
+        decide_with_images(scripted, image_inputs(), build.read_settings(Settings.of(canvas=24)), think=64, samples=1)
     assert "think: the canvas leaves" in info.value.message
 
 
@@ -391,7 +391,7 @@ def test_noise_is_keyed_by_canvas_content_not_position(tokenizer):
 
 def test_isolate_answers_do_not_depend_on_order_or_other_questions(tiny_reader):
     """On the tiny model (real reads): reversing the questions or adding one changes no answer."""
-    settings = build.read_settings(Settings(canvas=64))
+    settings = build.read_settings(Settings.of(canvas=64))
 
     async def answers(questions):
         await tiny_reader.start()
@@ -417,7 +417,7 @@ def test_isolate_answers_do_not_depend_on_order_or_other_questions(tiny_reader):
 def test_the_prompt_limit_is_checked_before_template_work(scripted):
     from app.engine.base import EngineInputError
 
-    limited = dataclasses.replace(build.read_settings(Settings(canvas=64)), max_prompt_tokens=50)
+    limited = dataclasses.replace(build.read_settings(Settings.of(canvas=64)), max_prompt_tokens=50)
     with pytest.raises(EngineInputError) as info:
         decide(scripted, limited, samples=1)
     assert info.value.status == 400 and info.value.error_type == "max_tokens_exceeded"
@@ -425,7 +425,7 @@ def test_the_prompt_limit_is_checked_before_template_work(scripted):
 
 
 def test_thought_budget_counts_every_group_that_thinks(scripted):
-    budget = dataclasses.replace(build.read_settings(Settings(canvas=64)), max_thought_tokens=100)
+    budget = dataclasses.replace(build.read_settings(Settings.of(canvas=64)), max_thought_tokens=100)
     decide(scripted, budget, think=64, samples=1)  # one group: 64 tokens
     with pytest.raises(Exception) as info:
         decide(scripted, budget, think=64, samples=1, isolate=True)  # three groups: 192 tokens
@@ -433,7 +433,7 @@ def test_thought_budget_counts_every_group_that_thinks(scripted):
 
 
 def test_plan_cost_counts_canvases_and_thought_tokens(scripted):
-    decider = Decider(scripted, build.read_settings(Settings(canvas=64)))
+    decider = Decider(scripted, build.read_settings(Settings.of(canvas=64)))
     body = {"state": STATE, "questions": SCHEMA, "samples": 3, "isolate": True, "think": 10}
     plan = decider.plan(parse_decision(body, LIMITS))
     assert plan.canvases == 9 and plan.thought_tokens == 30 and plan.cost == 39

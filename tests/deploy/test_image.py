@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.config import Settings
+from app.config import Settings, setting_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
@@ -101,8 +101,8 @@ def run_entrypoint(stubs: Path, tmp_path: Path, mem_gib: float, *args: str, **en
 
 def need_gib(weights: float, headroom: float = 12, copies: float = 2) -> float:
     settings = Settings()
-    transient = int(settings.max_seqs * settings.canvas * VOCAB * 4 * copies // GIB) + 1
-    return weights + settings.kv_cache_gb + transient + headroom
+    transient = int(settings.vllm.max_seqs * settings.decisions.canvas * VOCAB * 4 * copies // GIB) + 1
+    return weights + settings.vllm.kv_cache_gb + transient + headroom
 
 
 def test_no_checkpoint_is_a_clear_message_and_exit_2(stubs, tmp_path):
@@ -118,7 +118,7 @@ def test_short_memory_is_refused_with_the_breakdown(stubs, tmp_path):
     done = run_entrypoint(stubs, tmp_path, need - 1)
     assert done.returncode == 2, done.stdout + done.stderr
     settings = Settings()
-    assert f"need {need:.1f} (weights 19.0 + KV {settings.kv_cache_gb:g} + start-up transient" in done.stdout
+    assert f"need {need:.1f} (weights 19.0 + KV {settings.vllm.kv_cache_gb:g} + start-up transient" in done.stdout
     assert "headroom 12" in done.stdout
     assert "refusing to start: not enough memory" in done.stderr
     assert "DJEV" not in done.stdout
@@ -183,4 +183,4 @@ def test_the_image_only_variables_are_documented_in_the_entrypoint():
     text = ENTRYPOINT.read_text()
     for name in ("HEADROOM_GB", "TRANSIENT_COPIES", "MEMORY_CHECK", "MEMINFO"):
         assert re.search(rf"^#   {name} ", text, re.M), name
-        assert name not in {f.metadata["env"] for f in Settings.__dataclass_fields__.values()}
+        assert name not in {f.metadata["env"] for _, f in setting_fields()}

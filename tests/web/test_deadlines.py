@@ -52,7 +52,7 @@ def wait_for(condition, timeout: float = 10.0) -> bool:
 
 def test_a_decision_past_request_timeout_is_504_and_its_read_is_cancelled(tokenizer):
     reader = SlowReader(tokenizer, delay=30)
-    app = create_app(Settings(request_timeout=0.3), reader)
+    app = create_app(Settings.of(request_timeout=0.3), reader)
     with TestClient(app) as client:
         started = time.monotonic()
         response = client.post("/v1/systemone", json=TICKET)
@@ -83,7 +83,7 @@ def test_a_client_that_leaves_has_its_decision_cancelled(tokenizer):
 @pytest.fixture
 def priced(tokenizer, monkeypatch):
     """An app whose decider prices a decision as samples x questions + think."""
-    app = create_app(Settings(max_inflight_cost=100), ScriptedReader(tokenizer))
+    app = create_app(Settings.of(max_inflight_cost=100), ScriptedReader(tokenizer))
     decider = app.state.services.decider
     real_plan = decider.plan
 

@@ -56,7 +56,7 @@ def client(tiny_dir):
 
 @pytest.fixture
 def small_limits(tiny_dir):
-    settings = Settings(max_images=2, max_image_bytes=4000, max_total_image_bytes=6000, max_image_pixels=100 * 100)
+    settings = Settings.of(max_images=2, max_image_bytes=4000, max_total_image_bytes=6000, max_image_pixels=100 * 100)
     with TestClient(create_app(settings, make_tiny_reader(tiny_dir))) as c:
         yield c
 

@@ -284,7 +284,7 @@ def test_a_live_server_counts_a_decision_and_camera_frames(tiny_dir):
     from tests.conftest import live_server, make_tiny_reader
     from tests.web.test_stream import GREY, RED, WALK, configure, receive, ws_url
 
-    app = create_app(Settings(api_key=KEY), make_tiny_reader(tiny_dir))
+    app = create_app(Settings.of(api_key=KEY), make_tiny_reader(tiny_dir))
     with live_server(app) as url, httpx.Client(base_url=url, timeout=120) as client:
         first = client.get("/metrics")  # open like /health: no key
         assert first.status_code == 200

@@ -106,14 +106,14 @@ def test_the_chat_form_runs_under_request_timeout(tokenizer):
         async def read(self, specs):
             await asyncio.sleep(30)
 
-    with TestClient(create_app(Settings(request_timeout=0.3), Slow(tokenizer))) as client:
+    with TestClient(create_app(Settings.of(request_timeout=0.3), Slow(tokenizer))) as client:
         response = client.post("/v1/chat/completions", json=chat())
         assert response.status_code == 504 and response.json()["error"]["type"] == "timeout_error"
         assert client.get("/health").json()["in_flight"] == 0
 
 
 def test_t13_raw_generation_and_the_api_key(tiny_reader):
-    with TestClient(create_app(Settings(api_key="s3cret"), tiny_reader)) as client:
+    with TestClient(create_app(Settings.of(api_key="s3cret"), tiny_reader)) as client:
         body = {"messages": [{"role": "user", "content": "Name three primary colors."}], "max_tokens": 8}
         assert client.post("/v1/raw/chat/completions", json=body).status_code == 403
         response = client.post("/v1/raw/chat/completions", json=body, headers={"authorization": "Bearer s3cret"})

@@ -56,7 +56,7 @@ def test_no_banner_for_a_real_model(tokenizer):
 
 
 def test_no_pages_turns_them_off(tiny_reader):
-    with TestClient(create_app(Settings(pages=False), tiny_reader)) as c:
+    with TestClient(create_app(Settings.of(pages=False), tiny_reader)) as c:
         for path in ("/", "/walk", "/cube", "/static/js/api.js"):
             response = c.get(path)
             assert response.status_code == 404 and response.json()["error"]["message"] == "unknown route"

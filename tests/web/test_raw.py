@@ -63,7 +63,7 @@ class Writer(ScriptedReader):
 @pytest.fixture
 def writer(tokenizer):
     reader = Writer(tokenizer)
-    with TestClient(create_app(Settings(default_seed=7), reader)) as client:
+    with TestClient(create_app(Settings.of(default_seed=7), reader)) as client:
         client.reader = reader
         yield client
 
@@ -197,7 +197,7 @@ def test_stream_that_fails_at_once_is_an_ordinary_error_response(tokenizer):
 
 def test_generation_past_request_timeout_is_504_and_cancelled(tokenizer):
     reader = Writer(tokenizer, delay=30)
-    with TestClient(create_app(Settings(request_timeout=0.3), reader)) as client:
+    with TestClient(create_app(Settings.of(request_timeout=0.3), reader)) as client:
         response = post(client)
         assert response.status_code == 504 and reader.cancelled == 1
         streamed = post(client, stream=True)  # the first chunk never comes: a plain 504
@@ -206,7 +206,7 @@ def test_generation_past_request_timeout_is_504_and_cancelled(tokenizer):
 
 
 def test_a_generation_costing_more_than_the_budget_is_400_naming_max_tokens(tokenizer):
-    with TestClient(create_app(Settings(max_inflight_cost=100), Writer(tokenizer))) as client:
+    with TestClient(create_app(Settings.of(max_inflight_cost=100), Writer(tokenizer))) as client:
         response = post(client, max_tokens=200)
         assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
 

@@ -31,7 +31,7 @@ def server(tiny_dir):
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_dir):
-    with live_server(create_app(Settings(api_key="sdk-key"), make_tiny_reader(tiny_dir))) as url:
+    with live_server(create_app(Settings.of(api_key="sdk-key"), make_tiny_reader(tiny_dir))) as url:
         yield url
 
 

@@ -30,7 +30,7 @@ async def session_tasks(request):
 
 
 def serve(reader, **settings):
-    app = create_app(Settings(**settings), reader, extra_routes=[Route("/debug/tasks", session_tasks)])
+    app = create_app(Settings.of(**settings), reader, extra_routes=[Route("/debug/tasks", session_tasks)])
     return app, live_server(app)
 
 

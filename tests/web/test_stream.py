@@ -207,7 +207,7 @@ def test_garbage_closes_the_session(scripted_server, send, code):
 
 
 def test_oversized_frames_close_with_1009(tokenizer):
-    app = create_app(Settings(max_image_bytes=2000), ScriptedReader(tokenizer))
+    app = create_app(Settings.of(max_image_bytes=2000), ScriptedReader(tokenizer))
     with live_server(app) as url, connect(ws_url(url), max_size=None) as ws:
         configure(ws)
         ws.send(jpeg(size=(640, 480)) + b"\0" * 4000)
@@ -229,7 +229,7 @@ def test_a_flood_of_messages_closes_with_4029(scripted_server):
 class TestAuth:
     @pytest.fixture
     def keyed(self, tokenizer):
-        with live_server(create_app(Settings(api_key="camera-key"), ScriptedReader(tokenizer))) as url:
+        with live_server(create_app(Settings.of(api_key="camera-key"), ScriptedReader(tokenizer))) as url:
             yield url
 
     def test_first_message_auth(self, keyed):

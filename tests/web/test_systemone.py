@@ -120,7 +120,7 @@ def test_isolate_request_key_and_jev_confidence(fake):
 
 def test_server_wide_confidence_and_isolate(tokenizer):
     reader = ScriptedReader(tokenizer)
-    with TestClient(create_app(Settings(confidence="jev", isolate=True), reader)) as client:
+    with TestClient(create_app(Settings.of(confidence="jev", isolate=True), reader)) as client:
         body = client.post("/v1/systemone", json={**TICKET, "samples": 1}).json()
     assert body["answers"]["team"]["confidence"] == pytest.approx(0.55)
     assert len(body["diagnostics"]["chunks"]) == 3
@@ -250,7 +250,7 @@ def test_curl_without_a_content_type_still_reads_json(fake):
 
 def test_oversized_bodies_are_413_before_parsing(tokenizer):
     reader = ScriptedReader(tokenizer)
-    with TestClient(create_app(Settings(max_body_bytes=2000), reader)) as client:
+    with TestClient(create_app(Settings.of(max_body_bytes=2000), reader)) as client:
         big = {**TICKET, "state": "x" * 5000}
         assert_envelope(client.post("/v1/systemone", json=big), 413, "larger than this server's limit of 2000 bytes")
         # a lying Content-Length is caught while streaming too
@@ -291,7 +291,7 @@ def test_unknown_routes_and_methods(fake):
 class TestApiKey:
     @pytest.fixture
     def keyed(self, tokenizer):
-        with TestClient(create_app(Settings(api_key="s3cret"), ScriptedReader(tokenizer))) as client:
+        with TestClient(create_app(Settings.of(api_key="s3cret"), ScriptedReader(tokenizer))) as client:
             yield client
 
     def test_missing_header_is_403_and_wrong_key_401(self, keyed):
@@ -316,7 +316,7 @@ class TestApiKey:
 
 def test_overload_is_529_with_retry_after(tokenizer):
     reader = ScriptedReader(tokenizer)
-    app = create_app(Settings(max_inflight=1), reader)
+    app = create_app(Settings.of(max_inflight=1), reader)
     with TestClient(app) as client:
         app.state.services.admission.in_flight = 1  # one decision is in flight
         response = client.post("/v1/systemone", json=TICKET)

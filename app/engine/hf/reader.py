@@ -63,8 +63,8 @@ class HFOptions:
     tiny: bool
     torch_threads: int  # 0 = torch's default
     cuda_graphs: bool  # replay decoder passes as CUDA graphs (CUDA only)
-    torch_compile: bool = False  # compile the split layers and the vision layers, CUDA only (app/engine/hf/compiled.py)
-    fused_moe: bool = False  # the experts as Triton kernels, CUDA only (app/engine/hf/moe/fused.py)
+    torch_compile: bool  # compile the split layers and the vision layers, CUDA only (app/engine/hf/compiled.py)
+    fused_moe: bool  # the experts as Triton kernels, CUDA only (app/engine/hf/moe/fused.py)
 
 
 def pick_device(requested: str) -> str:

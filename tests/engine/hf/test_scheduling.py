@@ -76,7 +76,7 @@ def make_reader(runner: FakeRunner, max_rows: int = 64, gather_ms: float = 0) ->
     options = HFOptions(device="cpu", max_prompt_tokens=100, kv_cache_entries=0, max_batch_rows=max_rows,
                         gather_ms=gather_ms,
                         queue_limit=64, served_name="fake", canvas_length=16, tiny=True, torch_threads=0,
-                        cuda_graphs=False)
+                        cuda_graphs=False, torch_compile=False, fused_moe=False)
     info = ReaderInfo(model="fake", engine="hf", device="cpu", tiny=True, canvas_length=16)
     return HFReader(runner, None, info, options)
 

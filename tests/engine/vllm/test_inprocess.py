@@ -29,7 +29,7 @@ def servers(tiny_dir, tmp_path_factory):
     with server_processes([command]):
         vllm_url = base_url(command[1])
         reader = make_tiny_reader(tiny_dir)
-        with serve_in_background(create_app(Settings(device="cpu"), reader)) as hf_url:
+        with serve_in_background(create_app(Settings.of(device="cpu"), reader)) as hf_url:
             yield hf_url, vllm_url
 
 

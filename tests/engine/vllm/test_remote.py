@@ -42,9 +42,9 @@ def cluster(tiny_dir, tmp_path_factory):
     with server_processes(commands) as processes:
         first, second = [(base_url(command[1]), process) for command, process in zip(commands, processes)]
         reader = load_remote_reader(tiny_dir, remote_options(first[0], second[0]))
-        settings = Settings(engine="remote", upstream=(first[0], second[0]))
+        settings = Settings.of(engine="remote", upstream=(first[0], second[0]))
         with serve_in_background(create_app(settings, reader)) as remote_url, \
-                serve_in_background(create_app(Settings(device="cpu"), make_tiny_reader(tiny_dir))) as hf_url:
+                serve_in_background(create_app(Settings.of(device="cpu"), make_tiny_reader(tiny_dir))) as hf_url:
             yield {"hf": hf_url, "remote": remote_url, "reader": reader, "upstreams": [first, second]}
 
 

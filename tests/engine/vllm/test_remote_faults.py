@@ -402,14 +402,14 @@ def test_over_http_a_failing_upstream_is_a_502_naming_it_and_none_left_a_503(fak
                 "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"}}}
     fake.mode("error500")
     reader = load_remote_reader(tiny_dir, options(fake.url))
-    with serve_in_background(create_app(Settings(engine="remote", upstream=(fake.url,)), reader)) as base:
+    with serve_in_background(create_app(Settings.of(engine="remote", upstream=(fake.url,)), reader)) as base:
         failed = httpx.post(f"{base}/v1/systemone", json=decision, timeout=30)
     fake.reset()
     assert failed.status_code == 502 and fake.url in failed.json()["error"]["message"]
 
     nowhere = f"http://127.0.0.1:{free_port()}"
     reader = load_remote_reader(tiny_dir, options(nowhere))
-    with serve_in_background(create_app(Settings(engine="remote", upstream=(nowhere,)), reader)) as base:
+    with serve_in_background(create_app(Settings.of(engine="remote", upstream=(nowhere,)), reader)) as base:
         down = httpx.post(f"{base}/v1/systemone", json=decision, timeout=30)
         health = httpx.get(f"{base}/health", timeout=30)
     assert down.status_code == 503 and nowhere in down.json()["error"]["message"]

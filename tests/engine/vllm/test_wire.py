@@ -177,8 +177,8 @@ def test_a_prompt_that_is_not_a_chat_is_refused(former):
 
 def test_upstream_is_a_list_setting_from_flags_and_env():
     args = build_parser().parse_args(["serve", "--engine", "remote", "--upstream", "http://a:1", "--upstream", "http://b:2"])
-    assert settings_from_args(args).upstream == ("http://a:1", "http://b:2")
-    assert Settings.from_env({"UPSTREAM": "http://a:1, http://b:2"}).upstream == ("http://a:1", "http://b:2")
+    assert settings_from_args(args).remote.upstream == ("http://a:1", "http://b:2")
+    assert Settings.from_env({"UPSTREAM": "http://a:1, http://b:2"}).remote.upstream == ("http://a:1", "http://b:2")
 
 
 @pytest.mark.parametrize("env, words", [
@@ -203,13 +203,13 @@ def test_engine_vllm_without_vllm_says_what_to_install(tiny_dir):
     except ImportError:
         pass
     with pytest.raises(CheckpointError, match="needs vLLM in this environment"):
-        build_reader(Settings(engine="vllm", model=str(tiny_dir)))
+        build_reader(Settings.of(engine="vllm", model=str(tiny_dir)))
 
 
 def vllm_options(**changes):
     from app.build import vllm_options as from_settings
 
-    return from_settings(Settings(**changes), "served", tiny=False)
+    return from_settings(Settings.of(**changes), "served", tiny=False)
 
 
 def test_vllm_flags_follow_the_settings_with_extra_args_last(tmp_path):
@@ -245,7 +245,7 @@ def test_a_read_past_the_window_warns_unless_the_backend_is_verified(caplog):
 def test_engine_remote_is_built_from_the_settings(tiny_dir):
     from app.engine.vllm.remote import RemoteReader
 
-    reader = build_reader(Settings(engine="remote", upstream=("http://127.0.0.1:9/",), model=str(tiny_dir),
+    reader = build_reader(Settings.of(engine="remote", upstream=("http://127.0.0.1:9/",), model=str(tiny_dir),
                                    upstream_read_timeout=7.0))
     assert isinstance(reader, RemoteReader) and reader.info.engine == "remote" and reader.info.tiny
     assert [u.url for u in reader.upstreams] == ["http://127.0.0.1:9"] and reader.pool.read_timeout == 7.0
