@@ -70,62 +70,14 @@ class _Body:
 
 
 class Templates:
-    """Templates and label alphabets for one tokenizer, with a bounded cache. Safe to use from
-    several worker threads at once (the caches are guarded; tokenizing is the tokenizer's business)."""
+    """Templates for one tokenizer: slots found once per answer text, in a bounded cache. Safe to use
+    from several worker threads at once (the cache is guarded; tokenizing is the tokenizer's business)."""
 
     def __init__(self, tokenizer: ChatTokenizer, cache_size: int = 4096) -> None:
         self.tokenizer = tokenizer
         self.cache_size = cache_size
         self._bodies: OrderedDict[tuple, _Body] = OrderedDict()
-        self._alphabets: dict[tuple, tuple[str, ...]] = {}
         self._lock = threading.Lock()
-
-    # ------------------------------------------------------------------ labels
-
-    def labels(self, candidates: tuple[str, ...], count: int, fmt: str) -> tuple[str, ...]:
-        """The first `count` candidates that are one token at a slot for this tokenizer."""
-        alphabet = self._alphabet(candidates, fmt)
-        return alphabet[:count]
-
-    def _alphabet(self, candidates: tuple[str, ...], fmt: str) -> tuple[str, ...]:
-        """Verified once per label set and format, then cached."""
-        key = (candidates, fmt)
-        with self._lock:
-            found = self._alphabets.get(key)
-        if found is None:
-            found = self._verify_alphabet(candidates, fmt)
-            with self._lock:
-                self._alphabets[key] = found
-        return found
-
-    def _verify_alphabet(self, candidates: tuple[str, ...], fmt: str) -> tuple[str, ...]:
-        """Keep the candidates that differ from a reference candidate at exactly one token, at the
-        same position, in a probe template. The reference is the first candidate that works."""
-        encode = self.tokenizer.encode
-        for base in candidates[:8]:
-            def probe(label: str) -> list[int]:
-                return encode(answer_text([("q9", label), ("q10", base)], fmt))
-
-            base_ids = probe(base)
-            kept = [base]
-            slot = None
-            for candidate in candidates:
-                if candidate == base:
-                    continue
-                ids = probe(candidate)
-                if len(ids) != len(base_ids):
-                    continue
-                diffs = [i for i, (a, b) in enumerate(zip(ids, base_ids)) if a != b]
-                if len(diffs) != 1 or (slot is not None and diffs[0] != slot):
-                    continue
-                slot = diffs[0]
-                kept.append(candidate)
-            if len(kept) > 1:
-                order = {label: index for index, label in enumerate(candidates)}
-                return tuple(sorted(kept, key=order.__getitem__))
-        return ()
-
-    # ------------------------------------------------------------------ templates
 
     def rows(self, head_length: int, lead: str, fmt: str, items: Sequence[TemplateItem]) -> int:
         """Canvas rows a group needs (head + answer + end token), without resolving slots."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.decisions.errors import RequestError
+from app.decisions.labels import LabelAlphabets
 from app.decisions.questions import DIGIT_LABELS, LETTER_LABELS
 from app.decisions.template import INDEXED, LINES, TemplateItem, Templates, answer_format, answer_text
 
@@ -12,6 +13,11 @@ from app.decisions.template import INDEXED, LINES, TemplateItem, Templates, answ
 @pytest.fixture(scope="module")
 def templates(tokenizer):
     return Templates(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def alphabets(tokenizer):
+    return LabelAlphabets(tokenizer)
 
 
 def test_format_switches_to_indexed_past_ten_questions():
@@ -47,15 +53,15 @@ def test_head_and_lead_shift_the_slots(templates):
     assert shifted.rows == len(shifted.ids) + 1
 
 
-def test_alphabets_reach_jevs_limits(templates):
+def test_alphabets_reach_jevs_limits(alphabets):
     for fmt in (LINES, INDEXED):
-        letters = templates.labels(LETTER_LABELS, 255, fmt)
+        letters = alphabets.labels(LETTER_LABELS, 255, fmt)
         assert len(letters) == 255 and letters[:26] == LETTER_LABELS[:26]
-        assert templates.labels(DIGIT_LABELS, 9, fmt) == DIGIT_LABELS
+        assert alphabets.labels(DIGIT_LABELS, 9, fmt) == DIGIT_LABELS
 
 
-def test_255_options_resolve_to_distinct_single_tokens(templates):
-    labels = templates.labels(LETTER_LABELS, 255, LINES)
+def test_255_options_resolve_to_distinct_single_tokens(templates, alphabets):
+    labels = alphabets.labels(LETTER_LABELS, 255, LINES)
     template = templates.resolve((), "", LINES, [TemplateItem("big", "q1", labels)])
     assert len(set(template.label_ids[0])) == 255
 
