@@ -19,7 +19,7 @@ TOP = ("app", "tests", "bench", "scripts", "docs", "patches", "constraints", "do
 
 # A path starts at one of those folders, not inside a longer path (`/tmp/bench_x.json`,
 # `~/.cache/djev-bench/`) or a dotted name; it runs on over path characters and `{a,b}` braces.
-PATH = re.compile(r"(?<![\w./~-])(?:%s)/[\w.{},*?/-]*" % "|".join(TOP))
+PATH = re.compile(r"(?<![\w./~-])(?:" + "|".join(TOP) + r")/[\w.{},*?/-]*")
 URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
 # A file named without its folder (`test_remote.py`, a module map's `reader.py`).
 BARE = re.compile(r"(?<![\w./~{,-])[\w-]+\.(?:py|md|sh|json|log|txt|toml|yaml|yml|js|css|html)\b(?![\w/(])")
