@@ -2,22 +2,9 @@
 
 `app/decisions/` builds `ReadSpec`s and `GenerateSpec`s and hands them to a `Reader`; a reader
 (`hf`, `vllm`, `remote`) executes them. Nothing here touches a model, so the decision logic can be
-tested against a fake reader.
-
-The scheduling contract every reader keeps (tests hold the hf engine to it; docs/design.md):
-
-- **Cancellation is the only deadline.** Callers bound a request's time by cancelling the task that
-  awaits `read()`, `generate()` or iterates `stream()` (a client that disconnects, REQUEST_TIMEOUT).
-  A reader then drops that work if it is still queued, stops it at its next step if it is running,
-  and never delivers its result; nothing else in the batch is affected.
-- **Bounded reordering.** A read waits at most for the batch being formed when it arrived plus one
-  more, whatever batching or bucketing the reader does: no read is passed over indefinitely by
-  later ones.
-- **Generation yields.** A generation gives way to waiting reads after every denoise pass, so a
-  read waits at most one pass behind a generation, however long the thought.
-- **Errors.** `EngineInputError` for input this model cannot read (a 4xx, failing only the read at
-  fault), `EngineError` for a failed model call (502), `EngineUnavailable` when the reader is not
-  running or its queue is full (503). Nothing else leaves a reader.
+tested against a fake reader. Every reader keeps the scheduling contract of docs/design.md §2.2:
+cancellation is the only deadline, bounded reordering, a generation yields after every denoise
+pass, and only `EngineInputError`, `EngineError` and `EngineUnavailable` leave a reader.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The model's layers compiled with torch.compile (TORCH_COMPILE), under the CUDA graphs.
 
-A CUDA graph removes launch overhead but replays every kernel eager PyTorch launched: in one
-DiffusionGemma layer that is about a hundred small elementwise and reduction kernels (ten RMS norms
-of eight kernels each, the rotary embedding, the router's softmax and top-k arithmetic, the
-experts' weighted sum, the residuals) around the few large ones. Compiling fuses
-them into a few generated kernels; the graphs then capture the compiled kernels as they captured
-the eager ones (the warm-up calls before each capture are where a new shape compiles).
-
-What is compiled: each layer's forward split in three (app/engine/hf/layers.py), the attention's
-inputs (norm, projections, q/k/v norms, rotary) and the feed-forward half (output projection,
-norms, residuals, MLP, router, experts) compiled, the cache and attention between them eager. Not
-the layer as a whole: a layer's forward indexes the KV cache by its own layer number, which
-torch.compile specialises on, so the 30 layers would compile 30 times over for every shape
-(minutes, measured: docs/benchmarks.md). The two compiled pieces read no layer number, so every
-layer shares one compiled body per piece, layer kind and shape; a dimension seen to change compiles
-once more as dynamic. The vision tower's encoder layers are compiled whole (they read no layer
-number either: one body for all of them). The embeddings and the masks stay eager.
+What is compiled: each text layer's two pieces around the attention (app/engine/hf/layers.py), one
+compiled body per piece, layer kind and shape, and the vision tower's encoder layers, one body for
+all of them; the embeddings and the masks stay eager. The graphs capture the compiled kernels as
+they captured the eager ones. Why, and why not whole layers: docs/design.md §4.7 and §5.2.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """Each text layer's forward in three pieces, so that torch.compile (TORCH_COMPILE) fuses everything
 but the attention itself, and compiles it once for all 30 layers.
 
-A DiffusionGemma text layer (encoder or decoder) is: an RMS norm, the query/key/value projections
-with their norms and rotary embedding, attention over the KV cache, the output projection, and a
-feed-forward half (norms, the dense MLP, the router, the experts, two residual additions and the
-layer scalar). Compiled as a whole, a layer specialises on its own layer number (its attention
-indexes the cache with it), so every layer compiles again for every shape (minutes, measured:
-docs/benchmarks.md). Compiled as separate norm / MLP / router / experts modules, the elementwise
-work between them (rotary, residuals, reshapes: about 70 kernels a layer) stays eager.
-
-Here `install` gives every layer a forward of three calls:
-  1. `attention_inputs(layer, hidden, cos, sin)`: input norm, projections, q/k/v norms, rotary --
-     compiled;
-  2. the cache and attention, as the library's attention module does them (the encoder's
-     `past_key_values.update`, the decoder's `append_to_cache`, then the configured attention
-     function; under a mask, SDPA over grouped query heads, `grouped_attention`) -- eager, the
-     piece that needs the layer number;
-  3. `feed_forward(layer, attention_out, residual)`: output projection, post-attention norm and
-     residual, the MLP and the experts with their norms, the second residual and the layer scalar --
-     compiled.
-The compiled functions take the layer as an argument and read no layer number, so one compiled
-body per function, layer kind (sliding or full attention) and shape serves every layer.
-
-The arithmetic is the library's, op for op, in the same order, but for the masked attention of
-grouped query heads, which reads no repeated copy of the KV (`grouped_attention`: the same rows
-through SDPA, blocked differently). tests/engine/hf/test_compiled.py checks the split forward against
-the library's on the CPU (to fp32 rounding), and compiled against eager (exactly).
+`install` gives every layer a forward of three calls: `attention_inputs` (compiled), the cache and
+attention as the library does them (eager; under a mask, `grouped_attention`), `feed_forward`
+(compiled). The compiled pieces read no layer number. The arithmetic is the library's, op for op,
+but for the grouped attention's blocking (tests/engine/hf/test_compiled.py). Why and the numbers:
+docs/design.md §4.7 and §5.2.
 """
 
 from __future__ import annotations

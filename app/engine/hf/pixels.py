@@ -1,17 +1,9 @@
 """Gemma 4's image preprocessing split in two: the resize on the CPU, the rest on the device.
 
-The library's PIL image processor does, per image: RGB and channel-first, an aspect-ratio-preserving
-bicubic resize to a multiple of 48 px within 2,520 patches (PIL), a rescale to [0, 1] (computed in
-float64, stored as float32), 16 x 16 patches in row-major order with their (x, y) positions, padding
-to the patch budget (zeros, position -1). For a 512 x 384 camera frame that is an upscale to 912 x 672
-and 4.8 M floats of NumPy work after it: about half of the processor's time, and the float32 array
-(7.7 MB) then travels to the GPU.
-
-Here the worker thread runs the processor's own conversion and resize methods, so the resized pixels
-are the library's bit for bit, and hands over the uint8 image (1.8 MB); the engine thread uploads
-it and does the rescale, patches, positions and padding on the device with the same arithmetic
-(tests/engine/hf/test_pixels.py checks equality with the library on the CPU). Only processors that
-match this recipe take the split (`splittable`); any other runs whole, as before.
+The worker thread runs the processor's own RGB conversion and resize and hands over the uint8
+image; the engine thread does the rescale, patches, positions and padding on the device, bit for
+bit the library's result (tests/engine/hf/test_pixels.py). Only processors that match this recipe
+take the split (`splittable`); any other runs whole. Design and numbers: docs/design.md §4.7, §5.2.
 """
 
 from __future__ import annotations

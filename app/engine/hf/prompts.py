@@ -1,21 +1,11 @@
 """Prompt encoding for DiffusionRunner: a prompt's KV (what the decoder reads), the bounded LRU of
-encoded prompts, image expansion and features, and batched encoder passes, replayed as CUDA graphs
-(app/engine/hf/graphs/encoder.py) where a bucket fits and eager otherwise.
+encoded prompts, the shared-prefix LRU (`PrefixIndex`), image expansion and features, and batched
+encoder passes, replayed as CUDA graphs (app/engine/hf/graphs/encoder.py) where a bucket fits and
+eager otherwise.
 
-Prompts missing from the LRU share encoder passes: sorted by length, at most `max_rows` a pass and
-`max_prompt_tokens` padded tokens, and, with encoder graphs, never across the bucket they fit. With
-encoder graphs, a text prompt that begins like an earlier one (the same question sheet ahead of a new
-state: the prompt puts the per-request text last for this) is encoded over their shared prefix: the
-prefix's KV is taken from the earlier prompt's (or encoded once) and kept in its own small LRU, and
-only the rest of the prompt goes through the layers (`PrefixIndex` finds the prefixes). Image
-prompts' images go through the vision tower together (features cached by the images' digests, so a
-frame restated in a later stage skips decoding and the tower), then share passes like text.
-
-Decoding and the image processor (`preprocess`) are plain CPU work that touches neither the model nor
-the caches: HFReader runs them in worker threads before a read or generation is queued and hands the
-result over (`Preprocessed`), so the engine thread only uploads the pixels (on CUDA it also rescales,
-patches and pads them on the device: app/engine/hf/pixels.py) and runs the tower. A
-prompt without a handed-over result (a direct runner call, a budget exceeded) is preprocessed inline.
+`preprocess` (image decoding and the image processor) touches neither the model nor the caches:
+HFReader runs it in worker threads and hands the result over (`Preprocessed`); without one a
+prompt is preprocessed inline. Design: docs/design.md §4.7.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Reads and generations from every request go into one bounded FIFO queue; a single loop takes what
 is waiting (reads up to a row budget, or one pass of a generation), runs it on the one engine
 thread, and hands results back. Reads that arrive together share one decoder pass (see
-`diffusion.py`), so N concurrent decisions cost far fewer model calls than N. The loop keeps the
-scheduling contract of `app/engine/base.py`.
+app/engine/hf/runner.py), so N concurrent decisions cost far fewer model calls than N. The loop
+keeps the scheduling contract of `app/engine/base.py`.
 
 Images are decoded and run through the image processor before their read or generation is queued, in
 a small pool of image workers (tens of ms a camera frame that would otherwise hold the engine thread,

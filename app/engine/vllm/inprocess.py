@@ -1,20 +1,10 @@
 """Engine `vllm`: vLLM's AsyncLLM in this process.
 
-A read is one vLLM request per canvas (per group of label ids: see `vllm_wire.py`) with the prompt
-as token ids, the canvas fields in `extra_args` and the label ids in `logprob_token_ids`; every
-canvas of a call to `read()` is submitted at once, and vLLM's own scheduler batches them (prefix
-caching shares the prompt between canvases). Images go in as vLLM multimodal data beside the same
-token ids. `generate()`/`stream()` are vLLM's own block diffusion.
-
-vLLM is imported only when this engine starts, so a CPU install without vLLM never needs it.
-
-What vLLM does differently from the hf engine (README, Engines):
-- per-request seeds are refused for diffusion models (vLLM's sampler draws from the process-wide
-  generator), so reads with steps > 1 and generations are not reproducible per request;
-- where prompt + canvas passes the sliding window, vLLM matches transformers only on attention
-  backends the djev_vllm_patch plugin has verified; elsewhere every such read logs a warning;
-- the raw chat route is relayed unchanged to vLLM's own OpenAI chat serving, built in this process
-  over the same engine (`vllm_chat_serving.py`).
+Reads go as in app/engine/vllm/wire.py, every canvas of a `read()` submitted at once for vLLM's
+scheduler to batch; images as vLLM multimodal data; `generate()`/`stream()` are vLLM's own block
+diffusion, and the raw chat route is relayed to vLLM's OpenAI chat serving built in this process
+(app/engine/vllm/chat_serving.py). vLLM is imported only when this engine starts. Where vLLM
+differs from the hf engine (seeds, the sliding window): docs/design.md §4.5.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """Engine `remote`: the same reads sent to running vLLM OpenAI servers over HTTP.
 
 A read is one `POST /v1/completions` per canvas (per group of at most 128 label ids; see
-`vllm_wire.py`) with the prompt as token ids, so no chat template is applied twice; a read with
-images goes through `/v1/chat/completions` as the conversation djev rendered (`vllm_chat.py`),
-since vLLM's completions route takes no images. Every canvas of a call to `read()` is sent at once.
+app/engine/vllm/wire.py) with the prompt as token ids, so no chat template is applied twice; a read
+with images goes through `/v1/chat/completions` as the conversation djev rendered
+(app/engine/vllm/chat.py), since vLLM's completions route takes no images. Every canvas of a call to
+`read()` is sent at once.
 
-Routing, health checks, the retry elsewhere and the errors naming an upstream: `upstreams.py`.
+Routing, health checks, the retry elsewhere and the errors naming an upstream:
+app/engine/vllm/upstreams.py.
 
 The tokenizer is the checkpoint's own, loaded from --model: templates are built here.
 """

@@ -2,21 +2,9 @@
 logprobs become `SlotRead`s, how vLLM's generated pieces become `GenerateChunk`s, and what they
 take from the checkpoint's config.json.
 
-A read is one vLLM request per canvas: the prompt as token ids, `max_tokens` = the canvas width, and
-the canvas fields vLLM's DiffusionGemma takes in `extra_args` (`vllm_xargs` over HTTP):
-
-- `diffusion_seed_canvas`: the canvas itself (replaces the random initial canvas),
-- `diffusion_canvas_length`: its width,
-- `diffusion_max_steps`: the read's `steps`,
-- `diffusion_read_only`: emit after the last step, never commit, report temperature-1 logprobs,
-- `diffusion_pinned` (steps > 1 only): every position except the slots, held at its seed value.
-
-`logprob_token_ids` asks for exact logprobs of the label ids at every canvas position. Stock vLLM
-takes at most 128 ids per request, so a read with more distinct label ids (a 255-option question) is
-split into several requests of at most `cap` ids over the same canvas and the answers are merged.
-A one-step read takes no randomness in vLLM, so the parts agree exactly; with steps > 1 every part
-denoises on its own (vLLM's diffusion sampler has no per-request seed), which is one more reason
-steps > 1 on vLLM is not reproducible per request.
+A read is one vLLM request per canvas, the canvas fields in `extra_args` (`vllm_xargs` over HTTP)
+and the label ids in `logprob_token_ids`, split into requests of at most `cap` ids where a read has
+more, their answers merged. The fields and why: docs/design.md §4.5.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """CUDA-graph replay of the decoder pass.
 
-Measured on an H200 (docs/benchmarks.md): one eager decoder pass of the full-size model launches
-about 4,500 kernels and spends ~130 ms on the CPU for ~28 ms of GPU work. Capturing the pass once per
-shape and replaying it removes that launch overhead.
-
-Shapes are bucketed so a handful of graphs serve every read: rows to a power of two, each layer
-type's prompt KV length to a multiple of KV_BUCKET, the canvas width as it is (already a multiple of
-CANVAS_STEP). A read is loaded into static buffers (prompt KV left-padded, an explicit mask keeping
-each canvas on its own prompt and width, exactly as the eager path does) and the graph is replayed.
-Graphs share one memory pool and one set of static KV buffers (sized for `max_token_slots` tokens,
-so the memory they hold does not grow with their number), and are kept in a small LRU. The buffers
-are laid out token by token and keep room for the canvas after the prompt: a batch's prompt KV is
-loaded in one foreach copy, and the pass writes the canvas's KV in place (CanvasKV) instead of
-concatenating it with the prompt's in every layer. Passes with
-self-conditioning logits (a multi-step read's later steps, a generation's denoise passes) replay
-graphs keyed with a static conditioning input. Shapes past the size caps, or a capture that fails,
-go down the eager path.
-
-With `capture=False` the same static-buffer path runs eagerly: that is how the CPU tests check the
-bucketing, padding and masks against the plain path.
+A read is loaded into static buffers of a bucketed shape (rows, prompt KV length, canvas width) and
+the graph captured for that shape is replayed; it reads what the eager path reads. Graphs share one
+memory pool and one set of static KV buffers and are kept in a small LRU; shapes past the size
+caps, or a capture that fails, go down the eager path. With `capture=False` the same static-buffer
+path runs eagerly: that is how the CPU tests check the bucketing, padding and masks against the
+plain path. Design and numbers: docs/design.md §4.7 and §5.2.
 """
 
 from __future__ import annotations

@@ -1,51 +1,12 @@
 """CUDA-graph replay of the prompt-encoding (encoder) pass.
 
-An eager encoder pass of the full-size model is launch-bound in the same way the decoder pass is
-(thousands of kernels for a few hundred tokens), and the library's own path cannot be captured: its
-cache builds state lazily with a host-to-device copy, and its masks are built on the host. Here a
-batch of prompts is encoded by replaying a graph captured for its bucket:
-
-- buckets: rows to a power of two up to ROW_BUCKETS[-1], prompt length to the next of
-  LENGTH_BUCKETS (and a shared prefix's slots too, below); at most `max_graphs` captured (LRU) and
-  none past `max_token_slots` rows x (prefix slots + length);
-  every graph's static tensors view one set of buffers sized for `max_token_slots` tokens and their
-  activations share one pool, so the memory they hold is that of one largest batch plus a little
-  per graph (`memory_bytes` says how much);
-- static input: the prompts' input embeddings, RIGHT-padded to the bucket. Embeddings, not ids, so
-  image prompts (vision tower run eagerly, its features scattered into the embeddings) ride the same
-  graphs as text;
-- right padding makes the pass independent of the rows' lengths: a causal pass never lets a real
-  token see the padding after it, so no padding mask is needed at all, positions are 0..L-1 for
-  every row, and attention runs SDPA's plain causal kernels (an explicit mask sends long prompts to
-  far slower ones). Only buckets longer than the sliding window carry one mask, the window's, the
-  same for every row, built on the device (a pass over a shared prefix differs: below);
-- the KV of every layer is written into static buffers shared by all graphs (`_StaticKV`: one
-  batch's worth of KV at most, whatever the number of graphs), then each row's real tokens are
-  copied out, sliding layers cropped to their last window - 1 tokens exactly as the library's
-  DynamicCache keeps them. The result is what an eager pass stores. The buffers are laid out token
-  by token ([rows, tokens, heads, dim], seen by attention as [rows, heads, tokens, dim]), so each
-  row's KV is one contiguous block and every row and layer of a batch is copied out in one
-  `torch._foreach_copy_` (one launch instead of rows x layers x 2: 1,920 at 32 prompts).
-
-Batches whose buckets hold EAGER_TOKENS tokens or more run the same static path without a graph:
-their kernels take far longer than eager launches do (a pass of 32 whole tickets is ~160 ms of GPU
-work on an H200), so a graph saves little there, while a bucket's padding costs every padded token's
-full compute. Their rows are taken as they are and their length rounded up to EAGER_STEP only (32
-tickets of 250-263 tokens: 32 x 264 tokens instead of 32 x 320). Below it a graph pays: 32 tickets'
-suffixes over their sheet's prefix (32 x 128 tokens) made a read batch 112 ms replayed against 163
-ms launched eagerly (docs/benchmarks.md).
-
-A batch may be encoded over a prefix its rows share (the question sheet ahead of each state,
-`PrefixIndex` in app/engine/hf/prompts.py): the prefix's KV, encoded once, is copied into the KV buffers
-ahead of the rows' tokens, right-aligned to its own slot bucket, so that each row's whole prompt
-(prefix and suffix) is one contiguous block to copy out, and only the suffixes go through the
-layers. Positions then start at the prefix's length and attention takes one mask, the same for every
-row, built on the device from that length: every prefix token, and the suffix causally. Only where
-prefix and suffix together fit the sliding window (no window to mask), and never past the size cap.
-
-Prompts longer than the largest bucket, or batches past the size cap, return None: the caller
-encodes them eagerly. With `capture=False` the same static path runs eagerly: that is how the CPU
-tests check it against the eager encoder.
+A batch of prompts (their input embeddings, right-padded to a bucket of rows and length, optionally
+over a shared prefix's KV) is encoded by replaying a graph captured for its bucket, and each row's
+KV is copied out exactly as an eager pass stores it. Batches whose buckets hold EAGER_TOKENS tokens
+or more run the same static path without a graph; prompts past the largest bucket, or batches past
+the size cap, return None for the caller to encode eagerly. With `capture=False` the static path
+runs eagerly: that is how the CPU tests check it against the eager encoder. Design and the numbers
+behind it: docs/design.md §4.7 and §5.2.
 """
 
 from __future__ import annotations

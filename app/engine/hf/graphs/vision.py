@@ -1,18 +1,9 @@
 """CUDA-graph replay of the vision tower, for camera frames from any number of sessions at once.
 
-A walk frame is a new image every time, and the eager vision tower is launch-bound like the text
-layers (about 24 ms of a 132 ms frame on an H200, docs/benchmarks.md). Its library forward cannot
-be captured whole: the padding mask is checked on the host, and the padding patches are stripped
-by boolean indexing, whose size only the host learns. So the graph holds the tower up to that
-point, run with the model's own modules: patch embedding, the encoder layers under a bidirectional
-mask built on the device from the patch positions, the pooler, the standardisation and the
-projection into the text model's space (per-token steps, so running them before the strip is the
-same). The strip of padding tokens stays outside, on the graph's outputs.
-
-Buckets: the number of images to a power of two up to IMAGE_BUCKETS[-1] and the patch count as the
-image processor padded it (frames of one camera all have the same), at most `max_graphs` (LRU).
-Padding images in a bucket repeat the first image's positions, so no attention row is empty. With
-`capture=False` the same path runs eagerly: the CPU tests check it against the library's forward.
+The graph holds the tower up to the strip of padding tokens, which stays outside, on the graph's
+outputs; images are bucketed by count and patch count, at most `max_graphs` (LRU). It gives the
+library's image features. With `capture=False` the same path runs eagerly: the CPU tests check it
+against the library's forward. Design and numbers: docs/design.md §4.7 and §5.2.
 """
 
 from __future__ import annotations

@@ -1,36 +1,11 @@
 """The experts of a DiffusionGemma layer as two Triton kernels (FUSED_MOE, CUDA only).
 
-transformers' `grouped_mm` experts (what the engine used before) sort the token-expert pairs,
-gather the tokens' hidden states into a new tensor, run a grouped GEMM, split gate and up, apply
-the activation, run the second grouped GEMM, weight the rows, scatter them back and sum: on an
-H200 the GEMMs read the experts' weights at about 2.7 TB/s and the glue around them (gathers,
-elementwise kernels, the un-permute) costs as much again at batch 32 (docs/benchmarks.md).
-
-Here, per layer:
-  1. `align`: the token-expert pairs sorted by expert, each expert's run padded to a multiple of
-     BLOCK_M, and the expert of every block of BLOCK_M pairs -- a few small torch ops with no host
-     synchronisation, so the whole thing replays inside a CUDA graph (sizes are bounded by
-     pairs + experts x (BLOCK_M - 1), known from the shapes alone);
-  2. `gate_up_kernel`: for each block of pairs of one expert, the gate and up projections of the
-     tokens, read straight from the hidden states by token index, the activation and their product,
-     written to an [pairs, intermediate] buffer in the pairs' own order;
-  3. `down_kernel`: the down projection of those rows, written to a [pairs, hidden] buffer in the
-     model's dtype, in the pairs' own order;
-  4. `weighted_sum`: each token's top-k rows times their routing weights, summed. It runs outside
-     the custom op, in the compiled layer piece that calls the experts (app/engine/hf/layers.py), where
-     inductor fuses it with the norm after it: the rows are read once, in the model's dtype (an fp32
-     buffer of weighted rows, written by the kernel and read by a separate sum, cost ~8 ms of a
-     32-prompt read on an H200).
-No pair is gathered or scattered through a copy of the hidden states, and an expert that no token
-chose reads no weight.
-
-Numerics follow the grouped_mm path step by step: each projection is accumulated in fp32 and
-rounded to the model's dtype; the activation and the product are rounded as eager PyTorch rounds
-them; the routing weight multiplies in fp32 and the top-k sum is fp32, rounded once. Only the
-order of the fp32 accumulations differs (tests/engine/hf/moe/test_fused.py checks the kernels
-against transformers' own experts, through Triton's interpreter on the CPU).
-
-Triton is imported lazily: the CPU install never needs it.
+Registered as transformers' experts implementation `djev_fused`: the token-expert pairs aligned by
+expert without a host sync (so it replays inside a CUDA graph), gate/up and down as two kernels
+reading the tokens by index, and the weighted top-k sum left to the compiled layer piece. It follows
+the grouped_mm path's roundings step by step (only the order of fp32 accumulations differs;
+tests/engine/hf/moe/test_fused.py checks it through Triton's interpreter). Triton is imported
+lazily: the CPU install never needs it. Design and numbers: docs/design.md §4.7 and §5.2.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The Triton kernels of app/engine/hf/moe/fused.py (imported only where Triton is: CUDA hosts, and the
-CPU tests through Triton's interpreter). Read fused_moe.py's docstring first.
+CPU tests through Triton's interpreter). docs/design.md §4.7 describes them.
 
 INTERPRETED (set when Triton runs its interpreter, as the CPU tests do) works around two gaps of
 the interpreter (Triton 3.9) so that the CPU tests check the GPU's arithmetic:
