@@ -102,8 +102,9 @@ async def serve_app(app: Starlette, settings: Settings, ssl: tuple[str, str] | N
     import uvicorn
 
     # log_config=None: uvicorn logs through the root logger `djev serve` configured (one format).
-    common = dict(log_level=settings.logs.log_level.lower(), access_log=False, proxy_headers=False, log_config=None,
-                  ws_max_size=settings.limits.max_image_bytes + 65536, timeout_graceful_shutdown=5)
+    common: dict[str, Any] = dict(log_level=settings.logs.log_level.lower(), access_log=False, proxy_headers=False,
+                                  log_config=None, ws_max_size=settings.limits.max_image_bytes + 65536,
+                                  timeout_graceful_shutdown=5)
     http = uvicorn.Server(uvicorn.Config(app, host=settings.server.host, port=settings.server.port, lifespan="on", **common))
     servers = [http]
     if ssl is not None and settings.server.tls_port:

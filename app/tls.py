@@ -123,17 +123,19 @@ def ensure_authority(cert_dir: Path) -> tuple["x509.Certificate", "ec.EllipticCu
     """The local authority, written on first start (or when its files are unreadable or expiring)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
 
     cert_path, key_path = cert_dir / CA_CERT_NAME, cert_dir / CA_KEY_NAME
     now = dt.datetime.now(dt.timezone.utc)
     try:
         cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
         key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
-        if cert.not_valid_after_utc - now > dt.timedelta(days=RENEW_BEFORE_DAYS) and key_id(cert) == (
+        if isinstance(key, ec.EllipticCurvePrivateKey) and (
+                cert.not_valid_after_utc - now > dt.timedelta(days=RENEW_BEFORE_DAYS)) and key_id(cert) == (
                 x509.SubjectKeyIdentifier.from_public_key(key.public_key()).digest):
             log.info("local certificate authority %s (SHA-256 %s), served at /djev-ca.crt",
                      cert_path, ca_fingerprint(cert_dir))
-            return cert, key  # type: ignore[return-value]
+            return cert, key
     except (OSError, ValueError):
         pass
     replacing = cert_path.exists()

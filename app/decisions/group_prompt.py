@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Sequence
 
 from app.decisions.canvas import content_seed
 from app.decisions.errors import RequestError
 from app.decisions.plan import Plan
 from app.decisions.prompt import ChatPrompts, restated_state, system_text
 from app.decisions.questions import Question
-from app.decisions.reading import ReadSettings
+from app.decisions.reading import Offload, ReadSettings
 from app.decisions.request import Decision
 from app.decisions.template import JOIN, TemplateItem, Templates
 from app.engine.base import EngineInputError, GenerateSpec, Prompt, Reader
 
 MIN_THOUGHT_ROWS = 8
-
-Offload = Callable[..., Awaitable[Any]]
 
 
 @dataclass(frozen=True)

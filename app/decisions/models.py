@@ -17,7 +17,7 @@ import base64
 import binascii
 import math
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, LiteralString, Union
 
 from annotated_types import Len
 from pydantic import (
@@ -28,6 +28,7 @@ from pydantic import (
     Discriminator,
     FailFast,
     Field,
+    JsonValue,
     PrivateAttr,
     Strict,
     StrictBool,
@@ -54,10 +55,10 @@ from app.decisions.questions import (
 
 MIN_CHUNK_ROWS = 8
 MAX_SEED = 2**63 - 1
-EXTENSION = {"extension": True}  # marks the reference's keys beside Jev's (the chat form passes them on)
+EXTENSION: dict[str, JsonValue] = {"extension": True}  # marks the reference's keys beside Jev's (the chat form passes them on)
 
 
-def refuse(message: str, *at: str | int, kind: str = "value_error") -> PydanticCustomError:
+def refuse(message: str, *at: str | int, kind: LiteralString = "value_error") -> PydanticCustomError:
     """An error whose message is complete, for rules whose message names more than the field
     (another question, the allowed answers). `at` extends the field's loc."""
     return PydanticCustomError(kind, "{refusal}", {"refusal": message, "at": at})
@@ -70,8 +71,15 @@ def _drop_nulls(value: Any) -> Any:
     return value
 
 
+def _context(info: ValidationInfo) -> dict[str, Any]:
+    """The context `parse_decision` validates with: the limits and the images that come before."""
+    if info.context is None:
+        raise RuntimeError("DecisionBody is validated with a context: use parse_decision")
+    return info.context
+
+
 def _limit(info: ValidationInfo, name: str) -> int:
-    return getattr(info.context["limits"], name)
+    return getattr(_context(info)["limits"], name)
 
 
 def _at_most(limit_name: str) -> AfterValidator:
@@ -127,7 +135,7 @@ class QuestionFields(BaseModel):
 
     type: str
     instructions: Any = None
-    criteria: Any = None
+    criteria: Any  # each type's own; required but for noul
     depends_on: Ids = ()
     ask_if: Annotated[dict[str, Strings], BeforeValidator(_ask_if_size)] = Field(default_factory=dict)
     alone: StrictBool = False
@@ -265,11 +273,18 @@ def _decode(entry: tuple[str, str] | ImageObject, info: ValidationInfo) -> tuple
 def _image_count(value: Any, info: ValidationInfo) -> Any:
     # The multipart and asset images come first and count toward the same limit.
     if isinstance(value, list):
-        limit, before = _limit(info, "max_images"), info.context["images_before"]
+        limit, before = _limit(info, "max_images"), _context(info)["images_before"]
         if before + len(value) > limit:
             raise PydanticCustomError("too_long", "at most {max_length} images", {
                 "max_length": limit, "actual_length": before + len(value)})
     return value
+
+
+def decoded(entry: object) -> tuple[str, bytes]:
+    """An `images` entry once validated: `_decode` turned it into (content type, bytes)."""
+    if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], bytes):
+        return entry[0], entry[1]
+    raise TypeError(f"an image entry that was not decoded: {type(entry).__name__}")
 
 
 ImageEntry = Annotated[

@@ -69,9 +69,10 @@ def assemble(
         estimates[question.qid] = found
         answers[question.qid] = question.kind.answer(question, found.probs, decision.confidence)
         label = plan.labels[question.qid][found.top]
-        internal[question.qid] = question.kind.internal_answer(question, label, found.probs, decision.confidence)
+        internal_answer = question.kind.internal_answer(question, label, found.probs, decision.confidence)
         if found.stderr is not None:
-            internal[question.qid].update(stderr=found.stderr, agreement=found.agreement)
+            internal_answer.update(stderr=found.stderr, agreement=found.agreement)
+        internal[question.qid] = internal_answer
 
     prompt_tokens = [g.prompt_tokens for g in groups]
     output_tokens = sum(g.rows + g.thought_tokens for g in groups) + chain_thought_tokens

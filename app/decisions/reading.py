@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 from app.decisions.canvas import Canvas, draw_seeds, noised
 from app.decisions.estimate import estimate, first_read_entropies
@@ -15,7 +15,13 @@ from app.decisions.questions import Question
 from app.decisions.request import Samples
 from app.engine.base import EngineError, Prompt, Reader, ReadResult, ReadSpec
 
-Offload = Callable[..., Awaitable[Any]]
+T = TypeVar("T")
+
+
+class Offload(Protocol):
+    """Runs synchronous `fn(*args)` somewhere that is not the event loop (or, `inline`, on the spot)."""
+
+    def __call__(self, fn: Callable[..., T], /, *args: Any) -> Awaitable[T]: ...
 
 
 @dataclass(frozen=True)
@@ -29,7 +35,7 @@ class ReadSettings:
     max_thought_tokens: int  # think x the groups that think, per request
 
 
-async def inline(fn: Callable[..., Any], *args: Any) -> Any:
+async def inline(fn: Callable[..., T], /, *args: Any) -> T:
     """An `Offload` that runs the work on the spot (for decisions whose pieces are small)."""
     return fn(*args)
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, StrictStr, ValidationError
 
 from app.decisions.errors import RequestError
 from app.decisions.limits import Limits
-from app.decisions.models import DecisionBody
+from app.decisions.models import DecisionBody, decoded
 from app.decisions.questions import Question, render_content
 from app.decisions.refusals import refusal
 from app.engine.base import ImageInput
@@ -83,7 +83,7 @@ def parse_decision(
 
     json_images = tuple(
         ImageInput(data=data, content_type=content_type, source=f"images[{index}]")
-        for index, (content_type, data) in enumerate(parsed.images)
+        for index, (content_type, data) in enumerate(decoded(entry) for entry in parsed.images)
     )
     all_images = images + json_images
     _check_image_totals(all_images, limits)

@@ -34,6 +34,8 @@ from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.engine.base import ReaderInfo
+
 log = logging.getLogger("djev.metrics")
 
 # Seconds: a cached tiny-model read takes milliseconds, a big decision on a CPU tens of seconds,
@@ -59,14 +61,22 @@ def metric_name_part(text: str) -> str:
 
 
 class _Admission(Protocol):
-    in_flight: int
-    cost: int
-    max_requests: int
-    max_cost: int
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def cost(self) -> int: ...
+
+    @property
+    def max_requests(self) -> int: ...
+
+    @property
+    def max_cost(self) -> int: ...
 
 
 class _Reader(Protocol):
-    info: Any  # ReaderInfo: model, engine, device, tiny
+    @property
+    def info(self) -> ReaderInfo: ...
 
     @property
     def ready(self) -> bool: ...
@@ -78,19 +88,29 @@ class _Reader(Protocol):
 
 
 class LiveServices(Protocol):
-    """What the collector reads from the app's services at scrape time."""
+    """What the collector reads from the app's services at scrape time (read-only)."""
 
-    reader: _Reader
-    admission: _Admission
-    sessions: Mapping[str, Any]
+    @property
+    def reader(self) -> _Reader: ...
+
+    @property
+    def admission(self) -> _Admission: ...
+
+    @property
+    def sessions(self) -> Mapping[str, Any]: ...
 
 
 class DecisionCounts(Protocol):
     """What `Metrics.decided` counts of a decision's Outcome."""
 
-    reads: int  # canvases read in all (every noise draw of every group)
-    input_tokens: int
-    output_tokens: int
+    @property
+    def reads(self) -> int: ...  # canvases read in all (every noise draw of every group)
+
+    @property
+    def input_tokens(self) -> int: ...
+
+    @property
+    def output_tokens(self) -> int: ...
 
 
 class LiveCollector(Collector):
