@@ -111,9 +111,8 @@ def assemble(
     }
     if decision.ask is not None:
         diagnostics["not_asked"] = [q.qid for q in decision.questions if q.qid not in set(decision.ask)]
-    ignored = getattr(decision, "ignored", ())
-    if ignored:
-        diagnostics["ignored"] = list(ignored)
+    if decision.ignored:
+        diagnostics["ignored"] = list(decision.ignored)
     parts = [f"{q.qid}={'skipped' if by_question.get(q.qid) is None else _name(q, by_question)}" for q in asked]
     return Outcome(
         answers=answers,

@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, AsyncIterator, Awaitable, Mapping, Protocol, Sequence
+from typing import Any, AsyncIterator, Awaitable, Mapping, Protocol, Sequence, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -244,6 +244,7 @@ class RelayedResponse:
     chunks: AsyncIterator[bytes] | None = None
 
 
+@runtime_checkable
 class ChatRelay(Protocol):
     """A reader backed by a vLLM OpenAI server (in process or remote) relays raw chat completions to
     it unchanged; the raw route checks for this capability and otherwise generates itself."""

@@ -87,9 +87,6 @@ class HFChatTokenizer(ChatTokenizer):
         with self._lock:
             return self._tok.decode(list(ids), skip_special_tokens=False)
 
-    def token_text(self, token_id: int) -> str:
-        return self._tok.convert_ids_to_tokens(int(token_id))
-
     def render_chat(self, system: str, user: str, images: int, thinking: bool) -> list[int]:
         return self.render_messages([("system", system), ("user", user)], images, thinking)
 

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from app.engine.base import GenerateSpec, Prompt
+from app.engine.base import ChatRelay, GenerateSpec, Prompt
 from app.web.body import RawBody, parse_payload, read_raw
 from app.web.errors import ClientGone, HTTPError, error_reply, json_response
 from app.web.openai import completion, usage
@@ -117,10 +117,9 @@ class _Reply:
 async def raw_chat_completions(request: Request) -> Response:
     svc = services(request)
     raw = await read_raw(request, svc.settings.limits.max_body_bytes)
-    relay = getattr(svc.reader, "relay_chat", None)
-    if relay is not None:
+    if isinstance(svc.reader, ChatRelay):
         payload = await svc.prepare(parse_payload, raw.inline_size, raw, svc.settings.limits.max_body_bytes)
-        return await _relay(svc, request, relay, payload.body)
+        return await _relay(svc, request, svc.reader.relay_chat, payload.body)
     parsed, ids = await svc.offload(_prepare, svc, raw)
     svc.admission.check_fits(parsed.max_tokens, "max_tokens")
     spec = _spec(svc, parsed, ids)
