@@ -181,8 +181,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if on_cuda and args.naive else {}
 
     def runner(kv_entries: int, graphs: bool) -> Any:
-        return DiffusionRunner(model, None, device=device, max_prompt_tokens=server.max_prompt_tokens,
-                               kv_entries=kv_entries, max_rows=server.max_batch_rows, cuda_graphs=graphs)
+        return DiffusionRunner(model, None, device=device, max_prompt_tokens=server.limits.max_prompt_tokens,
+                               kv_entries=kv_entries, max_rows=server.hf.max_batch_rows, cuda_graphs=graphs)
 
     specs = Specs(int(model.config.text_config.vocab_size), args.prompt_tokens)
     one = specs.read()

@@ -297,5 +297,5 @@ def tiny_server(checkpoint: Path, **settings: Any) -> Iterator[tuple[str, Any]]:
     config = Settings.of(host="127.0.0.1", pages=False, log_level="warning", **settings)
     reader = tiny_reader(checkpoint, config)
     app = create_app(config, reader)
-    with live_server(app, ws_max_size=config.max_image_bytes + 65536) as url:
+    with live_server(app, ws_max_size=config.limits.max_image_bytes + 65536) as url:
         yield url, reader
