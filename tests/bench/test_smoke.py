@@ -1,0 +1,39 @@
+"""The GPU benches' `--tiny` smoke runs: each script runs end to end on the tiny model's config on the
+CPU, so a bench that no longer matches the code it measures fails here rather than on a borrowed GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_bench(script: str, *args: str, out: Path) -> dict:
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), "--tiny", "--device", "cpu", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OUT": str(out)},
+    )
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
+    return {"stdout": completed.stdout}
+
+
+@pytest.mark.timeout(600)
+def test_bench_gpu_tiny_runs(tmp_path):
+    result = run_bench("bench_gpu.py", "--reps", "2", "--warmup", "1", "--out", str(tmp_path / "bench_gpu.json"),
+                       out=tmp_path)
+    data = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert data and "|" in result["stdout"]  # a markdown table was printed
+
+
+@pytest.mark.timeout(600)
+def test_bench_gpu_decisions_tiny_runs(tmp_path):
+    result = run_bench("bench_gpu_decisions.py", "--seconds", "1", "--reps", "2", "--no-grids",
+                       "--out", str(tmp_path / "bench_gpu_decisions.json"), out=tmp_path)
+    data = json.loads((tmp_path / "bench_gpu_decisions.json").read_text())
+    assert data and "|" in result["stdout"]
