@@ -15,7 +15,7 @@ from app.web.services import services
 async def health(request: Request) -> Response:
     svc = services(request)
     info = svc.reader.info
-    ready = bool(getattr(svc.reader, "ready", True))
+    ready = svc.reader.ready
     body = {
         "status": "ok" if ready else "unavailable",
         "ready": ready,

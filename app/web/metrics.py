@@ -126,7 +126,7 @@ class LiveCollector(Collector):
         yield _gauge("djev_info", "the model and engine that answer (always 1)", 1.0,
                      {"model": str(info.model), "engine": str(info.engine), "device": str(info.device),
                       "tiny": "true" if info.tiny else "false"})
-        yield _gauge("djev_ready", "1 while the reader accepts work", 1.0 if bool(getattr(svc.reader, "ready", True)) else 0.0)
+        yield _gauge("djev_ready", "1 while the reader accepts work", 1.0 if svc.reader.ready else 0.0)
         admission = svc.admission
         yield _gauge("djev_in_flight", "decisions and generations admitted and not yet answered", admission.in_flight)
         yield _gauge("djev_in_flight_limit", "MAX_INFLIGHT", admission.max_requests)
