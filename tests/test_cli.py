@@ -26,7 +26,7 @@ def test_nonsense_is_neither_a_directory_nor_an_id(tmp_path):
 
 
 def test_without_gpu_or_model_the_tiny_model_is_built_once(tmp_path, monkeypatch):
-    monkeypatch.setattr("app.cli._gpu_available", lambda: False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # what `serve` asks to see a GPU
     path, tiny = resolve_checkpoint(Settings(models_dir=str(tmp_path)))
     assert tiny and (path / "config.json").is_file()
     stamp = (path / "model.safetensors").stat().st_mtime
@@ -35,7 +35,7 @@ def test_without_gpu_or_model_the_tiny_model_is_built_once(tmp_path, monkeypatch
 
 
 def test_with_a_gpu_and_no_checkpoint_serve_refuses_to_answer_randomly(tmp_path, monkeypatch):
-    monkeypatch.setattr("app.cli._gpu_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     with pytest.raises(CheckpointError, match="a GPU is present but no checkpoint"):
         resolve_checkpoint(Settings(models_dir=str(tmp_path)))
 
