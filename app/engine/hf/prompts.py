@@ -87,6 +87,11 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._items)
 
+    def values(self) -> list:
+        """The entries held, least recently used first, as a list, without touching the LRU order
+        (on the engine thread, or while nothing else uses the cache)."""
+        return list(self._items.values())
+
     def clear(self) -> None:
         self._items.clear()
 
