@@ -208,7 +208,7 @@ def test_a_prefix_right_aligned_in_its_slots_never_reads_the_slots_before_it(tin
     length = shared_length(seed, prompts[0])
     assert length // 4 * 4 == 28 and runner.encoder_graphs.key(2, 32, 28)[2] == 32  # 4 slots before it
     runner.encode_many([seed])
-    for buffer in runner.encoder_graphs._storage.values():  # whatever earlier passes left there
+    for buffer in runner.encoder_graphs.buffers.values():  # whatever earlier passes left there
         if buffer.is_floating_point():
             buffer.fill_(100.0)
     together = runner.encode_many(prompts)
