@@ -196,6 +196,7 @@ class PromptEncodingMixin:
     encoder_graphs: Any
     vision_graphs: Any
     stats: Any
+    pad_id: int
 
 
     def preprocess(self, prompt: Prompt) -> ProcessedImages:
@@ -491,7 +492,7 @@ class PromptEncodingMixin:
         if self.encoder_graphs is None:
             return None
         return self._counted(self.encoder_graphs.encode_ids(
-            rows, self._pad_id(), prefix=(prefix.layers, prefix.length) if prefix else None))
+            rows, self.pad_id, prefix=(prefix.layers, prefix.length) if prefix else None))
 
     def _store(self, batch: list[tuple[tuple, list[int]]], layers: list, lengths: list[int], results: list) -> None:
         self.stats["kv_misses"] += len(batch)
@@ -573,7 +574,7 @@ class PromptEncodingMixin:
 
     def _left_padded(self, rows: list[list[int]]) -> torch.Tensor:
         longest = max(len(ids) for ids in rows)
-        pad = self._pad_id()
+        pad = self.pad_id
         return torch.tensor([[pad] * (longest - len(ids)) + ids for ids in rows], device=self.device)
 
     def _encode_eager(self, embeds: torch.Tensor, lengths: list[int]) -> list:

@@ -49,7 +49,7 @@ def one_shot(runner, spec: GenerateSpec, canvas_length: int) -> tuple[list[int],
                                         decoder_position_ids=positions,
                                         self_conditioning_logits=conditioning).last_hidden_state
             passes += 1
-            scaled = runner._logits(hidden)[0] / temperature_at(remaining, steps, settings["t_min"], settings["t_max"])
+            scaled = runner.logits(hidden)[0] / temperature_at(remaining, steps, settings["t_min"], settings["t_max"])
             argmax = torch.argmax(scaled, dim=-1)
             sampled = gumbel_argmax(scaled, generator)
             logp = torch.log_softmax(scaled, dim=-1)
