@@ -241,8 +241,8 @@ def breakdown(runner: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str
     with torch.no_grad():
         for data in frames(args.reps + 2):
             prompt = Prompt(ids, (ImageInput(data, "image/jpeg", "frame"),))
-            inputs = timed("frame: image decode + processor (CPU) + upload", lambda: runner._expand(prompt))
-            embeds = timed("frame: vision tower + embeddings (graph where one is held)", lambda: runner._input_embeds(inputs))
+            inputs = timed("frame: image decode + processor (CPU) + upload", lambda: runner.model_inputs(prompt))
+            embeds = timed("frame: vision tower + embeddings (graph where one is held)", lambda: runner.input_embeds(inputs))
             layers = timed("frame: encoder pass (graph) + KV copy-out", lambda: runner._encode_embeds([embeds]))
             encoded = EncodedPrompt(layers[0], int(embeds.shape[0]))
             timed("frame: decoder pass (graph) + slot logits",

@@ -128,8 +128,8 @@ def test_compiled_vision_layers_see_exactly_what_the_library_sees(tiny_dir):
     prompt = Prompt((5, 6, int(eager.config.image_token_id), 7), (ImageInput(buffer.getvalue(), "image/jpeg"),))
 
     def features(reader_runner):
-        inputs = reader_runner._expand(prompt)
-        return reader_runner._input_embeds(inputs)
+        inputs = reader_runner.model_inputs(prompt)
+        return reader_runner.input_embeds(inputs)
 
     expected = features(eager)
     compiled.compile_layers(runner.model, backend="aot_eager")

@@ -152,7 +152,7 @@ def test_the_vision_graph_path_equals_the_library_forward(tiny_dir, tokenizer):
     vision = VisionGraphs(runner.model, runner.device, capture=False)
     frames = tuple(ImageInput(jpeg(colour), "image/jpeg", f"frame {n}")
                    for n, colour in enumerate([(200, 10, 10), (10, 200, 10), (10, 10, 200)]))
-    inputs = runner._expand(Prompt(tuple(tokenizer.render_chat("Look.", "ahead?", 3, False)), frames))
+    inputs = runner.model_inputs(Prompt(tuple(tokenizer.render_chat("Look.", "ahead?", 3, False)), frames))
     pixels, positions = inputs["pixel_values"], inputs["image_position_ids"]
     expected = runner.model.model.encoder.get_image_features(pixels, positions, return_dict=True).pooler_output
     got = vision.features(pixels, positions)  # 3 images ride the 4-image bucket: one padding image
