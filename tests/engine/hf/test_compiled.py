@@ -62,19 +62,21 @@ def test_grouped_attention_is_sdpa_over_repeated_kv_heads(kv_heads):
 
 
 def test_grouped_attention_is_taken_only_for_masked_grouped_sdpa():
-    from app.engine.hf.layers import _packable
+    from transformers import PretrainedConfig
+
+    from app.engine.hf.layers import uses_grouped_attention
 
     def attention(implementation):
-        return SimpleNamespace(config=SimpleNamespace(_attn_implementation=implementation))
+        return SimpleNamespace(config=PretrainedConfig(attn_implementation=implementation))
 
     queries, keys = torch.zeros(2, 4, 3, 8), torch.zeros(2, 2, 6, 8)
     mask = torch.ones(2, 1, 3, 6, dtype=torch.bool)
-    assert _packable(attention("sdpa"), queries, keys, mask)
-    assert not _packable(attention("eager"), queries, keys, mask)
-    assert not _packable(attention("sdpa"), queries, keys, None)  # SDPA's own grouped kernels run
-    assert not _packable(attention("sdpa"), queries, torch.zeros(2, 4, 6, 8), mask)  # no groups
-    assert not _packable(attention("sdpa"), queries[:, :, :1], keys, mask[:, :, :1])  # one query token
-    assert not _packable(attention("sdpa"), queries, keys, mask.expand(2, 4, 3, 6))  # a mask per head
+    assert uses_grouped_attention(attention("sdpa"), queries, keys, mask)
+    assert not uses_grouped_attention(attention("eager"), queries, keys, mask)
+    assert not uses_grouped_attention(attention("sdpa"), queries, keys, None)  # SDPA's own grouped kernels run
+    assert not uses_grouped_attention(attention("sdpa"), queries, torch.zeros(2, 4, 6, 8), mask)  # no groups
+    assert not uses_grouped_attention(attention("sdpa"), queries[:, :, :1], keys, mask[:, :, :1])  # one query token
+    assert not uses_grouped_attention(attention("sdpa"), queries, keys, mask.expand(2, 4, 3, 6))  # a mask per head
 
 
 @torch.no_grad()
