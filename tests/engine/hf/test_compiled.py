@@ -18,7 +18,7 @@ from app.engine.hf import compiled
 from app.engine.base import GenerateSpec, Prompt
 from tests.conftest import make_tiny_reader
 from tests.engine.hf.test_reader import spec_for
-from tests.engine.hf.test_scheduling import FakeRunner, make_reader
+from tests.engine.hf.test_scheduling import FakeRunner, make_reader, spec as tagged_spec
 
 
 def logprobs(results):
@@ -153,16 +153,23 @@ def test_compile_limits_are_set_on_the_calling_thread_and_the_engine_thread():
     assert seen[0] < compiled.RECOMPILE_LIMIT  # torch keeps these per thread: hence the engine thread's own call
 
     async def engine_thread_limit(on_cuda: bool) -> int:
-        runner = FakeRunner()
+        runner = FakeRunner(delay=0)
         runner.device = SimpleNamespace(type="cuda" if on_cuda else "cpu")
+        limits, plain_read = [], runner.read
+
+        def read_noting_the_limit(specs, preprocessed=None):  # runs on the engine thread
+            limits.append(torch._dynamo.config.recompile_limit)
+            return plain_read(specs, preprocessed)
+
+        runner.read = read_noting_the_limit
         reader = make_reader(runner)
         reader.options = dataclasses.replace(reader.options, torch_compile=True)
         await reader.start()
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(reader._executor, lambda: torch._dynamo.config.recompile_limit)
+            await reader.read([tagged_spec(1)])
         finally:
             await reader.stop()
+        return limits[0]
 
     assert asyncio.run(engine_thread_limit(on_cuda=True)) >= compiled.RECOMPILE_LIMIT
     assert asyncio.run(engine_thread_limit(on_cuda=False)) < compiled.RECOMPILE_LIMIT  # the CPU engine never compiles
