@@ -233,10 +233,10 @@ def test_a_read_past_the_window_warns_unless_the_backend_is_verified(caplog):
     info = ReaderInfo(model="m", engine="vllm", device="cpu", tiny=True, canvas_length=128)
     reader = VLLMReader(None, None, info, vllm_options(), window=64)  # type: ignore[arg-type]
     with caplog.at_level("WARNING", logger="djev.engine"):
-        reader._warn_past_window(64)
-        reader._warn_past_window(65)
-        reader._window_verified = True
-        reader._warn_past_window(500)
+        reader.warn_past_window(64)
+        reader.warn_past_window(65)
+        reader.window_verified = True
+        reader.warn_past_window(500)
     warnings = [r for r in caplog.records if "passes the sliding window" in r.getMessage()]
     assert len(warnings) == 1 and reader.stats["reads_past_unverified_window"] == 1
 
