@@ -253,12 +253,12 @@ def breakdown(runner: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str
     with torch.no_grad():
         for data in frames(args.reps + 2):
             prompt = Prompt(ids, (ImageInput(data, "image/jpeg", "frame"),))
-            inputs = timed("frame: image decode + processor (CPU) + upload", lambda: runner._expand(prompt))
-            embeds = timed("frame: vision tower + embeddings (graph where one is held)", lambda: runner._input_embeds(inputs))
+            inputs = timed("frame: image decode + processor (CPU) + upload", lambda: runner.model_inputs(prompt))
+            embeds = timed("frame: vision tower + embeddings (graph where one is held)", lambda: runner.input_embeds(inputs))
             layers = timed("frame: encoder pass (graph) + KV copy-out", lambda: runner._encode_embeds([embeds]))
             encoded = EncodedPrompt(layers[0], int(embeds.shape[0]))
             timed("frame: decoder pass (graph) + slot logits",
-                  lambda: runner._logits(runner._decoder_hidden([(encoded, canvas)])[0, :4]).cpu())
+                  lambda: runner.logits(runner.decoder_hidden([(encoded, canvas)])[0, :4]).cpu())
         text = Prompt(tuple(tokenizer.render_chat("Think.", "a ticket", 0, True)))
         gen = runner.start_generation(GenerateSpec(text, 64, (), seed=1), 64)
         conditioning = None
@@ -269,7 +269,7 @@ def breakdown(runner: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str
                 context = EncodedPrompt([(layer.keys, layer.values) for layer in gen.cache.layers], gen.length)
                 row = [(context, block.canvas[0].tolist())]
                 timed("think pass: decoder graph replay alone (width 64, self-conditioned)",
-                      lambda: runner.graphs.hidden(row, conditioning) if runner.graphs else runner._decoder_hidden(row, conditioning))
+                      lambda: runner.graphs.hidden(row, conditioning) if runner.graphs else runner.decoder_hidden(row, conditioning))
             timed("think pass: whole step_generation (width 64)", lambda: runner.step_generation(gen))
     return {name: round(statistics.median(values[2:] or values), 1) for name, values in stages.items()}
 

@@ -160,7 +160,7 @@ def check_prefix(runner) -> None:
         replayed = [graphed.read([spec])[0] for spec in reads[1:]]
         # The prefix's KV (sliced from the sheet's first prompt, encoded whole on the static path)
         # against the eager encoder's: token rows off by > 1e-2 are the random routers' flips.
-        (prefix_ids, prefix_kv), = [(ids, kv) for ids, kv in static.prefixes._items.values()
+        (prefix_ids, prefix_kv), = [(ids, kv) for ids, kv in static.prefixes.values()
                                     if ids == reads[1].prompt.ids[:len(ids)]]
         label = f"  over a {len(prefix_ids)}-token prefix,"
         rows = [(a[0] - b[0]).abs().amax(dim=(0, 1, 3))

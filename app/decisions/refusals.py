@@ -98,8 +98,9 @@ def refusal(exc: ValidationError, limits: Limits) -> RequestError:
         return RequestError(ctx["refusal"], _clean(loc), kind=kind)
     for length in range(min(len(loc), LONGEST), -1, -1):
         prefix = loc[:length]
-        found = _lookup(prefix, kind)
-        if found is not None:
+        row = matching_row(prefix, kind)
+        if row is not None:
+            found = REFUSALS[row]
             fields = {"tag": None, **ctx, "key": prefix[-1] if prefix else None, "limits": limits,
                       "qid": loc[1] if loc[:1] == ("questions",) and len(loc) > 1 else None}
             message = found.message.format(**fields)
@@ -108,7 +109,11 @@ def refusal(exc: ValidationError, limits: Limits) -> RequestError:
     return RequestError(f"{'.'.join(map(str, loc)) or 'body'}: {error['msg']}", _clean(loc), kind=kind)
 
 
-def _lookup(prefix: tuple[Any, ...], kind: str) -> Refusal | None:
+def matching_row(prefix: tuple[Any, ...], kind: str) -> tuple[tuple[Any, ...], str | None] | None:
+    """The key of the REFUSALS row for a pydantic error of type `kind` at loc `prefix`, among the
+    rows whose pattern is exactly as long: a row for this error type before a row for any, then the
+    row with fewer wildcards; None where no row matches. `refusal` tries it on ever shorter prefixes
+    of the error's loc."""
     matches = [
         (pattern, error_type) for pattern, error_type in REFUSALS
         if len(pattern) == len(prefix) and error_type in (kind, None)
@@ -116,9 +121,7 @@ def _lookup(prefix: tuple[Any, ...], kind: str) -> Refusal | None:
     ]
     if not matches:
         return None
-    # A row for this error type before a row for any, then the row with fewer wildcards.
-    best = min(matches, key=lambda row: (row[1] is None, row[0].count(ANY)))
-    return REFUSALS[best]
+    return min(matches, key=lambda row: (row[1] is None, row[0].count(ANY)))
 
 
 def _clean(loc: tuple[Any, ...]) -> tuple[Any, ...]:

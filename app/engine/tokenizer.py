@@ -48,8 +48,8 @@ class HFChatTokenizer(ChatTokenizer):
         self.image_placeholder_id = image_token_id
         self.pad_id = self._special_id("<pad>", tokenizer.pad_token_id)
         self.turn_close_id = self._special_id("<turn|>", None)
-        self.thought_open = tuple(self._encode_special("<|channel>thought\n"))
-        self.thought_close = tuple(self._encode_special("<channel|>"))
+        self.thought_open = tuple(self.encode_special("<|channel>thought\n"))
+        self.thought_close = tuple(self.encode_special("<channel|>"))
         if len(self.thought_close) != 1:
             raise ValueError("the tokenizer has no single <channel|> token: not a Gemma 4 chat tokenizer")
 
@@ -61,7 +61,9 @@ class HFChatTokenizer(ChatTokenizer):
             return fallback
         raise ValueError(f"the tokenizer has no {token!r} token: not a Gemma 4 chat tokenizer")
 
-    def _encode_special(self, text: str) -> list[int]:
+    def encode_special(self, text: str) -> list[int]:
+        """Text to ids with special-token strings read as the special tokens they name: for the chat
+        template's own text (`<|channel>thought\n`), never for a caller's text (`encode`)."""
         return list(self._special.encode(text, add_special_tokens=False).ids) if text else []
 
     def encode(self, text: str) -> list[int]:
@@ -129,7 +131,7 @@ class HFChatTokenizer(ChatTokenizer):
             if piece in index:
                 pieces.append(index[piece])
             elif piece:
-                pieces.append(tuple(self._encode_special(piece)))
+                pieces.append(tuple(self.encode_special(piece)))
         found_images = sum(piece.count(self.image_placeholder_id) for piece in pieces if isinstance(piece, tuple))
         if found_images != images:
             raise ValueError(f"the chat template rendered {found_images} image tokens for {images} images")

@@ -134,7 +134,7 @@ def register() -> None:
     if "backend_check" not in disabled:
         from . import backend_check
 
-        _install("backend_check", lambda: backend_check.install(_note_backends))
+        _install("backend_check", lambda: backend_check.install(note_backends))
     _state["loaded"] = True
     log.info("djev_vllm_patch %s on vLLM %s: installed %s", PLUGIN_VERSION, version,
              ", ".join(_state["patches"]) or "nothing")
@@ -173,8 +173,11 @@ def uninstall(name: str) -> None:
     log.warning("djev_vllm_patch: %s uninstalled in this process", name)
 
 
-def _note_backends(names: list[str]) -> None:
-    """Record the attention backends a DiffusionGemma model was built with; warn on unverified ones."""
+def note_backends(names: list[str]) -> None:
+    """Record the attention backends a DiffusionGemma model was built with (in `status()`'s
+    `backends_seen`, and `unverified_backends_seen` for those the canvas window fix has not been
+    verified on) and warn once about each unverified one. The `backend_check` patch calls it as
+    each model is built."""
     verified = set(VERIFIED_WINDOW_BACKENDS) if "canvas_window" in _state["patches"] else set()
     log.info("djev_vllm_patch %s: DiffusionGemma's sliding-window layers run on %s", PLUGIN_VERSION,
              ", ".join(names) or "no backend")

@@ -36,6 +36,13 @@ _MARK = "_djev_canvas_window"
 _counters = {"rows": 0, "mixed_steps": 0}
 
 
+def installed() -> bool:
+    """Whether the fix is installed on vLLM's CPU attention backend in this process."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    return bool(getattr(cpu_attn.CPUAttentionMetadataBuilder, _MARK, False))
+
+
 def rows_anchored() -> int:
     """Canvas rows recomputed with the anchored window in this process (all layers, all steps)."""
     return _counters["rows"]

@@ -114,15 +114,15 @@ def test_every_row_of_the_table_has_a_body():
 def test_each_refusal_row(row, monkeypatch):
     payload, changes, status, message, loc = ROWS[row]
     used = []
-    lookup = refusals._lookup
+    matching_row = refusals.matching_row
 
     def recording(prefix, kind):
-        found = lookup(prefix, kind)
+        found = matching_row(prefix, kind)
         if found is not None:
-            used.append(next(key for key, value in REFUSALS.items() if value is found))
+            used.append(found)
         return found
 
-    monkeypatch.setattr(refusals, "_lookup", recording)
+    monkeypatch.setattr(refusals, "matching_row", recording)
     with pytest.raises(RequestError) as info:
         parse_decision(payload, dataclasses.replace(LIMITS, **changes))
     error = info.value

@@ -35,10 +35,10 @@ def slow_render(hf, messages, images, thinking):
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_encoding_equals_the_wrappers(tokenizer, text):
-    hf = tokenizer._tok
+    hf = tokenizer.wrapper
     plain = hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
     assert tokenizer.encode(text) == list(plain)
-    assert tokenizer._encode_special(text) == list(hf.encode(text, add_special_tokens=False))
+    assert tokenizer.encode_special(text) == list(hf.encode(text, add_special_tokens=False))
 
 
 @pytest.mark.parametrize("images, thinking", [(0, False), (0, True), (2, False)])
@@ -46,8 +46,8 @@ def test_rendered_chats_equal_the_wrappers(tokenizer, images, thinking):
     messages = [("system", "Answer <turn|> questions."), ("user", "state ☕ <|channel>"), ("assistant", "q1: yes"),
                 ("user", "and now?")]
     for _ in range(2):  # the second time from the cached skeleton
-        assert tokenizer.render_messages(messages, images, thinking) == slow_render(tokenizer._tok, messages, images,
-                                                                                    thinking)
+        assert tokenizer.render_messages(messages, images, thinking) == slow_render(tokenizer.wrapper, messages,
+                                                                                    images, thinking)
 
 
 def test_threads_encode_at_once(tokenizer):

@@ -181,10 +181,10 @@ vllm.__version__ = "0.33.0"
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 import djev_vllm_patch, json
-from vllm.v1.attention.backends import cpu_attn
+from djev_vllm_patch import canvas_window
 import vllm.sampling_params as sp
 print("STATUS", json.dumps(djev_vllm_patch.status()))
-print("PATCHED", bool(getattr(cpu_attn.CPUAttentionMetadataBuilder, "_djev_canvas_window", False)), sp.MAX_LOGPROB_TOKEN_IDS)
+print("PATCHED", canvas_window.installed(), sp.MAX_LOGPROB_TOKEN_IDS)
 """
 
 

@@ -81,7 +81,7 @@ def main() -> None:
         elif step["op"] == "uninstall":
             djev_vllm_patch.uninstall(step["patch"])
         elif step["op"] == "note_backends":  # what the start-up check does with a model's backends
-            djev_vllm_patch._note_backends(step["names"])
+            djev_vllm_patch.note_backends(step["names"])
         elif step["op"] == "status":
             result[step["name"]] = djev_vllm_patch.status()
         else:

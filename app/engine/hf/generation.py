@@ -133,7 +133,7 @@ class GenerationMixin:
         gen.passes += 1
         temperature = gen.spec.temperature * temperature_at(block.remaining, block.steps, settings["t_min"],
                                                             settings["t_max"])
-        step = sample_step(self._logits(hidden)[0], temperature, top_p=gen.spec.top_p,
+        step = sample_step(self.logits(hidden)[0], temperature, top_p=gen.spec.top_p,
                            entropy_bound=settings["entropy_bound"], vocab_size=self.vocab_size,
                            generator=gen.generator)
         block.canvas = step.tokens.unsqueeze(0)

@@ -58,7 +58,7 @@ def attend(layer: Any, queries: torch.Tensor, keys: torch.Tensor, values: torch.
             keys, values = attention.append_to_cache(past_key_values, keys, values)
         else:
             keys, values = past_key_values.update(keys, values, attention.layer_idx)
-    if _packable(attention, queries, keys, attention_mask):
+    if uses_grouped_attention(attention, queries, keys, attention_mask):
         return grouped_attention(queries, keys, values, attention_mask, attention.scaling)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
     out, _ = interface(attention, queries, keys, values, attention_mask, dropout=0.0, scaling=attention.scaling,
@@ -66,11 +66,12 @@ def attend(layer: Any, queries: torch.Tensor, keys: torch.Tensor, values: torch.
     return out
 
 
-def _packable(attention: Any, queries: torch.Tensor, keys: torch.Tensor, mask: Any) -> bool:
-    """Whether `grouped_attention` stands in for the library's SDPA call: SDPA configured, query heads
-    sharing KV heads, several query tokens and a mask shared by the heads (the decoder's; an encoder
-    pass's padding or sliding-window mask). Without a mask the library already runs SDPA's own
-    grouped-query kernels."""
+def uses_grouped_attention(attention: Any, queries: torch.Tensor, keys: torch.Tensor, mask: Any) -> bool:
+    """Whether `attend` runs `grouped_attention` instead of the library's SDPA call for this
+    attention module and these queries [batch, heads, tokens, dim], keys and mask: SDPA configured,
+    query heads sharing KV heads, several query tokens and a mask shared by the heads (the decoder's;
+    an encoder pass's padding or sliding-window mask). Without a mask the library already runs
+    SDPA's own grouped-query kernels."""
     return (attention.config._attn_implementation == "sdpa" and isinstance(mask, torch.Tensor)
             and mask.dim() == 4 and mask.shape[1] == 1 and queries.shape[2] > 1
             and queries.shape[1] > keys.shape[1] and queries.shape[1] % keys.shape[1] == 0)

@@ -77,6 +77,11 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._items)
 
+    def values(self) -> list:
+        """The entries held, least recently used first, as a list, without touching the LRU order
+        (on the engine thread, or while nothing else uses the cache)."""
+        return list(self._items.values())
+
     def clear(self) -> None:
         self._items.clear()
 
@@ -181,6 +186,7 @@ class PromptEncodingMixin:
     encoder_graphs: Any
     vision_graphs: Any
     stats: Any
+    pad_id: int
 
 
     def preprocess(self, prompt: Prompt) -> ProcessedImages:
@@ -205,13 +211,15 @@ class PromptEncodingMixin:
         the event loop (see `PromptCache.__contains__`)."""
         return key in self.prompts or key[1] in self.vision
 
-    def _expand(
+    def model_inputs(
         self, prompt: Prompt, *, reuse_vision: bool = False, preprocessed: Preprocessed | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Token ids with each image placeholder expanded, plus the vision inputs. With
-        `reuse_vision`, images whose features are in the vision LRU (a walk frame's later stages
-        restate the same frame) skip decoding and come back as `image_features` instead. Images
-        found in `preprocessed` are only uploaded; others are preprocessed here."""
+        """The prompt as the encoder takes it, on the device: `input_ids` [1, n] with each image
+        placeholder expanded to its soft tokens, and for an image prompt `mm_token_type_ids`,
+        `soft_token_counts`, `pixel_values` and `image_position_ids`. With `reuse_vision`, images
+        whose features are in the vision LRU (a walk frame's later stages restate the same frame)
+        skip decoding and come back as `image_features` instead. Images found in `preprocessed`
+        are only uploaded; others are preprocessed here. `input_embeds` embeds the result."""
         ids = list(prompt.ids)
         inputs: dict[str, torch.Tensor] = {}
         digests = prompt.cache_key[1] if prompt.images else ()
@@ -289,7 +297,7 @@ class PromptEncodingMixin:
             for index, (keys, values) in enumerate(encoded.layers):
                 cache.update(keys, values, index)  # the cache concatenates later blocks: the LRU's tensors stay as they are
             return cache, encoded.length
-        inputs = self._expand(prompt, preprocessed=preprocessed)
+        inputs = self.model_inputs(prompt, preprocessed=preprocessed)
         inputs.pop("soft_token_counts", None)
         length = int(inputs["input_ids"].shape[1])
         cache = self._new_cache()
@@ -342,13 +350,13 @@ class PromptEncodingMixin:
         expanded: list[dict[str, torch.Tensor]] = []
         for key, indices in images:
             try:
-                expanded.append(self._expand(prompts[indices[0]], reuse_vision=True, preprocessed=preprocessed))
+                expanded.append(self.model_inputs(prompts[indices[0]], reuse_vision=True, preprocessed=preprocessed))
                 embedded.append((key, indices))
             except EngineInputError as exc:
                 for index in indices:
                     results[index] = exc
         self._image_features(expanded, [key[1] for key, _ in embedded])
-        embeds = [self._input_embeds(inputs) for inputs in expanded]
+        embeds = [self.input_embeds(inputs) for inputs in expanded]
         order = list(range(len(embedded)))
         for batch in self._prompt_batches(list(zip(embedded, order)), [int(embeds[i].shape[0]) for i in order]):
             rows = [embeds[i] for _, i in batch]
@@ -476,7 +484,7 @@ class PromptEncodingMixin:
         if self.encoder_graphs is None:
             return None
         return self._counted(self.encoder_graphs.encode_ids(
-            rows, self._pad_id(), prefix=(prefix.layers, prefix.length) if prefix else None))
+            rows, self.pad_id, prefix=(prefix.layers, prefix.length) if prefix else None))
 
     def _store(self, batch: list[tuple[tuple, list[int]]], layers: list, lengths: list[int], results: list) -> None:
         self.stats["kv_misses"] += len(batch)
@@ -512,10 +520,10 @@ class PromptEncodingMixin:
                 if digests[n]:
                     self.vision.put(digests[n], ([int(c) for c in expanded[n]["soft_token_counts"]], chunk))
 
-    def _input_embeds(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """A prompt's input embeddings [n, hidden], its image features (from `_image_features` or
-        the vision LRU) scattered over its soft tokens, as the encoder model does before its text
-        layers."""
+    def input_embeds(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A prompt's input embeddings [n, hidden] from its `model_inputs`, its image features (from
+        the vision LRU, or through the vision tower where they are missing) scattered over its soft
+        tokens, as the encoder model does before its text layers."""
         input_ids = inputs["input_ids"]
         embeds = self.model.model.encoder.get_input_embeddings()(input_ids)
         if "pixel_values" in inputs and "image_features" not in inputs:
@@ -558,7 +566,7 @@ class PromptEncodingMixin:
 
     def _left_padded(self, rows: list[list[int]]) -> torch.Tensor:
         longest = max(len(ids) for ids in rows)
-        pad = self._pad_id()
+        pad = self.pad_id
         return torch.tensor([[pad] * (longest - len(ids)) + ids for ids in rows], device=self.device)
 
     def _encode_eager(self, embeds: torch.Tensor, lengths: list[int]) -> list:

@@ -259,6 +259,12 @@ class HFReader:
         return {**self.runner.stats, "queue_depth": len(self._queue)}
 
     @property
+    def images_held(self) -> int:
+        """Preprocessed images reserved for jobs or riding with queued ones (at most `image_budget`);
+        0 whenever nothing is queued or being preprocessed."""
+        return self._images_held
+
+    @property
     def ready(self) -> bool:
         return self._task is not None and not self._task.done()
 

@@ -96,7 +96,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
             if getattr(model.model.encoder, "vision_tower", None) is not None:
                 self.vision_graphs = VisionGraphs(model, device, capture=True)
 
-            self.graphs = DecoderGraphs(model, self.layer_types, device, pad_id=self._pad_id(), capture=True)
+            self.graphs = DecoderGraphs(model, self.layer_types, device, pad_id=self.pad_id, capture=True)
             self.encoder_graphs = EncoderGraphs(model, self.layer_types, device, capture=True,
                                                 sliding_window=int(self.text_config.sliding_window))
 
@@ -108,12 +108,14 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
 
     # ------------------------------------------------------------------ decoder passes
 
-    def _decoder_hidden(
+    def decoder_hidden(
         self,
         rows: Sequence[tuple[EncodedPrompt, Sequence[int]]],
         self_conditioning_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One bidirectional decoder pass over every row's canvas; returns hidden states [B, W, H]."""
+        """One bidirectional decoder pass over every row's canvas, each row reading its own encoded
+        prompt (a CUDA-graph replay where one fits, else eager); hidden states [rows, width, hidden],
+        canvases shorter than the widest padded with `pad_id`. `logits` unembeds them."""
         from transformers.cache_utils import DynamicCache
 
         if self.graphs is not None:
@@ -146,7 +148,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
                 mask[row, :, :, longest:longest + len(canvas)] = True
             masks[layer_type] = mask
 
-        canvas_ids = torch.full((batch, width), self._pad_id(), dtype=torch.long)
+        canvas_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
         positions = torch.zeros((batch, width), dtype=torch.long)
         for row, (encoded, canvas) in enumerate(rows):
             canvas_ids[row, : len(canvas)] = torch.tensor(canvas, dtype=torch.long)
@@ -162,10 +164,15 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self.stats["decoder_rows"] += batch
         return output.last_hidden_state
 
-    def _pad_id(self) -> int:
+    @property
+    def pad_id(self) -> int:
+        """The id that pads canvases and left-pads prompts in a batch: the text config's pad_token_id
+        (0 where it has none)."""
         return int(self.text_config.pad_token_id or 0)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The vocabulary logits of decoder hidden states [..., hidden] (the model's head and its
+        final soft cap), [..., vocab]."""
         return softcap(self.model.lm_head(hidden), self.softcap)
 
     # ------------------------------------------------------------------ reads
@@ -213,12 +220,12 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self_conditioning = None
         generators = [self._generator(specs[index].seed * 1000003 + canvas_no) for index, canvas_no in rows]
         for remaining in range(steps, 0, -1):
-            hidden = self._decoder_hidden(list(zip(prompts, canvases)), self_conditioning)
+            hidden = self.decoder_hidden(list(zip(prompts, canvases)), self_conditioning)
             if remaining == 1:
                 return self._slot_reads(hidden, [specs[index] for index, _ in rows])
             # Another step follows: only the slots move; every other position stays pinned.
             temperature = temperature_at(remaining, steps, self.generation["t_min"], self.generation["t_max"])
-            logits = self._logits(hidden)
+            logits = self.logits(hidden)
             for row, (index, _) in enumerate(rows):
                 slots = torch.tensor(specs[index].slots, device=self.device)
                 self._denoise_positions(canvases[row], logits[row, slots], temperature, list(specs[index].slots),
@@ -239,7 +246,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
             chunk = slots[start:start + SLOT_CHUNK]
             rows = torch.tensor([row for row, _, _ in chunk], device=self.device)
             positions = torch.tensor([position for _, position, _ in chunk], device=self.device)
-            logprobs = torch.log_softmax(self._logits(hidden[rows, positions]), dim=-1)
+            logprobs = torch.log_softmax(self.logits(hidden[rows, positions]), dim=-1)
             label_slots = torch.tensor([i for i, (_, _, ids) in enumerate(chunk) for _ in ids], dtype=torch.long,
                                        device=self.device)
             label_ids = torch.tensor([t for _, _, ids in chunk for t in ids], dtype=torch.long, device=self.device)

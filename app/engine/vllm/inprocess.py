@@ -138,7 +138,9 @@ class VLLMReader:
         self._engine: Any = None
         self._ids = itertools.count()
         self._logprob_cap = STOCK_LOGPROB_ID_CAP
-        self._window_verified = False
+        # Whether djev_vllm_patch anchors the canvas window on every attention backend seen (set at
+        # start from its status): only then do reads past the sliding window match the hf engine.
+        self.window_verified = False
         self._chat: InProcessChat | None = None
         self._chat_error = "the engine is not running"
 
@@ -150,7 +152,7 @@ class VLLMReader:
 
     @property
     def stats(self) -> dict[str, float]:
-        return {**self.counts, "logprob_id_cap": self._logprob_cap, "window_verified": int(self._window_verified)}
+        return {**self.counts, "logprob_id_cap": self._logprob_cap, "window_verified": int(self.window_verified)}
 
     async def start(self) -> None:
         if self._engine is not None:
@@ -188,8 +190,8 @@ class VLLMReader:
         status = plugin_status()
         if status.get("loaded") and status.get("max_logprob_token_ids"):
             self._logprob_cap = int(status["max_logprob_token_ids"])
-        self._window_verified = bool(status.get("loaded") and "canvas_window" in status.get("patches", [])
-                                     and not status.get("unverified_backends_seen"))
+        self.window_verified = bool(status.get("loaded") and "canvas_window" in status.get("patches", [])
+                                    and not status.get("unverified_backends_seen"))
         if not status:
             log.warning("djev_vllm_patch is not installed: reads whose prompt + canvas passes the sliding window "
                         "(%d tokens) will not match the hf engine, and reads take at most %d label ids per request",
@@ -233,12 +235,15 @@ class VLLMReader:
             jobs += [self._read_canvas(engine, spec, prompt, canvas, groups, slots) for canvas in spec.canvases]
         results = read_results(specs, await gather_or_cancel(jobs))
         for spec, result in zip(specs, results):
-            self._warn_past_window(result.prompt_tokens + spec.width)
+            self.warn_past_window(result.prompt_tokens + spec.width)
         self.counts["reads"] += len(specs)
         return results
 
-    def _warn_past_window(self, tokens: int) -> None:
-        if self._window_verified or not self.sliding_window or tokens <= self.sliding_window:
+    def warn_past_window(self, tokens: int) -> None:
+        """Count (`reads_past_unverified_window`) and log a read of `tokens` prompt + canvas tokens
+        that passes the sliding window while the window is not `window_verified`: its slot
+        probabilities may differ from the hf engine's. `read` calls it for every read."""
+        if self.window_verified or not self.sliding_window or tokens <= self.sliding_window:
             return
         self.counts["reads_past_unverified_window"] += 1
         log.warning("a read of %d prompt + canvas tokens passes the sliding window (%d) on an attention backend "

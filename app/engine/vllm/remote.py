@@ -47,6 +47,7 @@ from app.engine.vllm.wire import (
     CheckpointConfig,
     ChunkCutter,
     UpstreamAnswerError,
+    chat_read_body,
     collapse_images,
     completion_read_body,
     label_id_groups,
@@ -54,7 +55,6 @@ from app.engine.vllm.wire import (
     merge_answers,
     parse_chat_read,
     parse_completion_read,
-    read_extra_args,
     read_results,
 )
 
@@ -155,16 +155,7 @@ class RemoteReader:
     async def _chat_read(self, upstream: Upstream, spec: ReadSpec, canvas: tuple[int, ...],
                          ids: tuple[int, ...], chat: dict) -> CanvasAnswer:
         """One canvas read through `/v1/chat/completions` (`chat`: the prompt as messages)."""
-        body = {
-            **chat,
-            "max_tokens": len(canvas),
-            "logprobs": True,
-            "top_logprobs": len(ids),
-            "logprob_token_ids": list(ids),
-            "return_tokens_as_token_ids": True,
-            "return_token_ids": True,
-            "vllm_xargs": read_extra_args(spec, canvas),
-        }
+        body = chat_read_body(spec, canvas, ids, chat)
 
         def parse(answer: Any) -> tuple[bool | None, CanvasAnswer]:  # maybe in a worker thread
             return self._rendered_as_ours(spec.prompt, answer), self._parsed(upstream, parse_chat_read, answer)

@@ -61,6 +61,22 @@ def completion_read_body(spec: ReadSpec, canvas: Sequence[int], ids: Sequence[in
     return body
 
 
+def chat_read_body(spec: ReadSpec, canvas: Sequence[int], ids: Sequence[int], chat: Mapping[str, Any]) -> dict:
+    """`POST /v1/chat/completions` for one canvas and one group of label ids, `chat` holding the
+    prompt as messages and the template switches (`ChatForm.request_fields`). vLLM answers with the
+    prompt ids it rendered (`return_token_ids`), for the caller to check against djev's."""
+    return {
+        **chat,
+        "max_tokens": len(canvas),
+        "logprobs": True,
+        "top_logprobs": len(ids),
+        "logprob_token_ids": list(ids),
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+        "vllm_xargs": read_extra_args(spec, canvas),
+    }
+
+
 @dataclass(frozen=True)
 class CanvasAnswer:
     """What vLLM said about one canvas: per position, id -> logprob; the argmax id per position."""

@@ -18,7 +18,7 @@ from app.engine.hf import compiled
 from app.engine.base import GenerateSpec, Prompt
 from tests.conftest import make_tiny_reader
 from tests.engine.hf.test_reader import spec_for
-from tests.engine.hf.test_scheduling import FakeRunner, make_reader
+from tests.engine.hf.test_scheduling import FakeRunner, make_reader, spec as tagged_spec
 
 
 def logprobs(results):
@@ -62,19 +62,21 @@ def test_grouped_attention_is_sdpa_over_repeated_kv_heads(kv_heads):
 
 
 def test_grouped_attention_is_taken_only_for_masked_grouped_sdpa():
-    from app.engine.hf.layers import _packable
+    from transformers import PretrainedConfig
+
+    from app.engine.hf.layers import uses_grouped_attention
 
     def attention(implementation):
-        return SimpleNamespace(config=SimpleNamespace(_attn_implementation=implementation))
+        return SimpleNamespace(config=PretrainedConfig(attn_implementation=implementation))
 
     queries, keys = torch.zeros(2, 4, 3, 8), torch.zeros(2, 2, 6, 8)
     mask = torch.ones(2, 1, 3, 6, dtype=torch.bool)
-    assert _packable(attention("sdpa"), queries, keys, mask)
-    assert not _packable(attention("eager"), queries, keys, mask)
-    assert not _packable(attention("sdpa"), queries, keys, None)  # SDPA's own grouped kernels run
-    assert not _packable(attention("sdpa"), queries, torch.zeros(2, 4, 6, 8), mask)  # no groups
-    assert not _packable(attention("sdpa"), queries[:, :, :1], keys, mask[:, :, :1])  # one query token
-    assert not _packable(attention("sdpa"), queries, keys, mask.expand(2, 4, 3, 6))  # a mask per head
+    assert uses_grouped_attention(attention("sdpa"), queries, keys, mask)
+    assert not uses_grouped_attention(attention("eager"), queries, keys, mask)
+    assert not uses_grouped_attention(attention("sdpa"), queries, keys, None)  # SDPA's own grouped kernels run
+    assert not uses_grouped_attention(attention("sdpa"), queries, torch.zeros(2, 4, 6, 8), mask)  # no groups
+    assert not uses_grouped_attention(attention("sdpa"), queries[:, :, :1], keys, mask[:, :, :1])  # one query token
+    assert not uses_grouped_attention(attention("sdpa"), queries, keys, mask.expand(2, 4, 3, 6))  # a mask per head
 
 
 @torch.no_grad()
@@ -128,8 +130,8 @@ def test_compiled_vision_layers_see_exactly_what_the_library_sees(tiny_dir):
     prompt = Prompt((5, 6, int(eager.config.image_token_id), 7), (ImageInput(buffer.getvalue(), "image/jpeg"),))
 
     def features(reader_runner):
-        inputs = reader_runner._expand(prompt)
-        return reader_runner._input_embeds(inputs)
+        inputs = reader_runner.model_inputs(prompt)
+        return reader_runner.input_embeds(inputs)
 
     expected = features(eager)
     compiled.compile_layers(runner.model, backend="aot_eager")
@@ -151,16 +153,23 @@ def test_compile_limits_are_set_on_the_calling_thread_and_the_engine_thread():
     assert seen[0] < compiled.RECOMPILE_LIMIT  # torch keeps these per thread: hence the engine thread's own call
 
     async def engine_thread_limit(on_cuda: bool) -> int:
-        runner = FakeRunner()
+        runner = FakeRunner(delay=0)
         runner.device = SimpleNamespace(type="cuda" if on_cuda else "cpu")
+        limits, plain_read = [], runner.read
+
+        def read_noting_the_limit(specs, preprocessed=None):  # runs on the engine thread
+            limits.append(torch._dynamo.config.recompile_limit)
+            return plain_read(specs, preprocessed)
+
+        runner.read = read_noting_the_limit
         reader = make_reader(runner)
         reader.options = dataclasses.replace(reader.options, torch_compile=True)
         await reader.start()
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(reader._executor, lambda: torch._dynamo.config.recompile_limit)
+            await reader.read([tagged_spec(1)])
         finally:
             await reader.stop()
+        return limits[0]
 
     assert asyncio.run(engine_thread_limit(on_cuda=True)) >= compiled.RECOMPILE_LIMIT
     assert asyncio.run(engine_thread_limit(on_cuda=False)) < compiled.RECOMPILE_LIMIT  # the CPU engine never compiles

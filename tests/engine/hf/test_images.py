@@ -83,7 +83,7 @@ def test_images_are_preprocessed_off_the_engine_thread_and_read_as_inline(tiny_d
     assert len(runner.image_processor.threads) == 2  # one call per image set
     assert all(name.startswith("djev-images") for name in runner.image_processor.threads)
     assert runner.stats["images_preprocessed"] == 2 and runner.stats["images_preprocessed_inline"] == 0
-    assert reader._images_held == 0  # nothing preprocessed outlives its job
+    assert reader.images_held == 0  # nothing preprocessed outlives its job
 
     # A direct runner call (bench scripts, tests) still decodes inline, on its own thread.
     inline = make_tiny_reader(tiny_dir).runner
@@ -109,7 +109,7 @@ def test_an_image_generation_is_preprocessed_off_the_engine_thread(tiny_dir, tok
     assert runner.start_generation.threads and all(n.startswith("djev-engine") for n in runner.start_generation.threads)
     assert len(runner.image_processor.threads) == 1
     assert runner.image_processor.threads[0].startswith("djev-images")
-    assert runner.stats["images_preprocessed_inline"] == 0 and reader._images_held == 0
+    assert runner.stats["images_preprocessed_inline"] == 0 and reader.images_held == 0
     inline = make_tiny_reader(tiny_dir).runner.generate(spec, reader.info.canvas_length)
     assert generated.ids == inline.ids and generated.prompt_tokens == inline.prompt_tokens > len(prompt.ids)
 
@@ -213,17 +213,17 @@ def test_a_cancelled_read_gives_its_preprocessed_images_back(tiny_dir, tokenizer
             if runner.stats["images_preprocessed"]:
                 break
             await asyncio.sleep(0.01)
-        held = reader._images_held
+        held = reader.images_held
         second.cancel()
         release.set()
         await first
         for _ in range(100):  # the loop drops the cancelled read at its turn
-            if not reader._queue:
+            if not reader.stats["queue_depth"]:
                 break
             await asyncio.sleep(0.01)
         return held, second.cancelled()
 
     held, cancelled = run_started(reader, scenario)
     assert held == 1 and cancelled
-    assert reader._images_held == 0
+    assert reader.images_held == 0
     assert runner.stats["vision_passes"] == 0  # the cancelled read never ran

@@ -92,7 +92,7 @@ def test_prompts_that_share_a_sheet_are_encoded_over_its_prefix_and_equal_the_ea
     for prompt, encoded in zip(later, together):
         assert encoded.length == len(prompt.ids)
         assert_same_kv(eager_runner.encode_many([prompt])[0], encoded)
-    (ids, prefix), = runner.prefixes._items.values()
+    (ids, prefix), = runner.prefixes.values()
     assert len(ids) % 4 == 0 and len(ids) <= shared_length(first, later[0]) and prefix.length == len(ids)
     assert_same_kv(eager_runner.encode_many([Prompt(ids)])[0], prefix)
     passes = runner.stats["encoder_passes"]
@@ -172,7 +172,7 @@ def test_reads_over_a_prefix_equal_reads_of_the_whole_prompt(tiny_dir, eager_run
 def test_a_longer_prefix_is_made_only_where_it_saves_a_minimum_more(tiny_dir, eager_runner, tokenizer):
     runner = prefixed_runner(tiny_dir)
     runner.encode_many([sheet_prompt(tokenizer, "seed"), sheet_prompt(tokenizer, "sprout")])
-    (sheet_ids, _), = runner.prefixes._items.values()
+    (sheet_ids, _), = runner.prefixes.values()
     # Two states that begin alike by less than the minimum more: the sheet's prefix serves both.
     alike = [sheet_prompt(tokenizer, "ab one"), sheet_prompt(tokenizer, "ab two")]
     assert shared_length(*alike) - len(sheet_ids) < 8 + 4
@@ -185,7 +185,7 @@ def test_a_longer_prefix_is_made_only_where_it_saves_a_minimum_more(tiny_dir, ea
     runner.encode_many(repeated[:1])
     encoded = runner.encode_many(repeated[1:])[0]
     assert len(runner.prefixes) == 2 and runner.stats["prefixes_sliced"] == 2
-    longest = max(len(ids) for ids, _ in runner.prefixes._items.values())
+    longest = max(len(ids) for ids, _ in runner.prefixes.values())
     assert longest - len(sheet_ids) >= 8
     assert_same_kv(eager_runner.encode_many([repeated[1]])[0], encoded)
 
@@ -208,7 +208,7 @@ def test_a_prefix_right_aligned_in_its_slots_never_reads_the_slots_before_it(tin
     length = shared_length(seed, prompts[0])
     assert length // 4 * 4 == 28 and runner.encoder_graphs.key(2, 32, 28)[2] == 32  # 4 slots before it
     runner.encode_many([seed])
-    for buffer in runner.encoder_graphs._storage.values():  # whatever earlier passes left there
+    for buffer in runner.encoder_graphs.buffers.values():  # whatever earlier passes left there
         if buffer.is_floating_point():
             buffer.fill_(100.0)
     together = runner.encode_many(prompts)

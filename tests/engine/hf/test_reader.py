@@ -229,8 +229,8 @@ def test_the_static_buffer_path_of_cuda_graphs_equals_the_eager_pass(tiny_reader
         encoded = runner.encode_many([spec.prompt for spec in specs])
         rows = [(encoded[0], list(specs[0].canvases[0])), (encoded[0], list(specs[0].canvases[1])),
                 (encoded[1], list(specs[1].canvases[0]))]
-        eager = runner._decoder_hidden(rows)
-        graphs = DecoderGraphs(runner.model, runner.layer_types, runner.device, pad_id=runner._pad_id(), capture=False)
+        eager = runner.decoder_hidden(rows)
+        graphs = DecoderGraphs(runner.model, runner.layer_types, runner.device, pad_id=runner.pad_id, capture=False)
         static = graphs.hidden(rows)
         again = graphs.hidden(rows[:2])  # a smaller batch reuses... a different bucket, built once
     assert static.shape == eager.shape

@@ -33,7 +33,8 @@ def one_shot(runner, spec: GenerateSpec, canvas_length: int) -> tuple[list[int],
     """Block diffusion written as one loop, the way generation ran before it was step-wise: each
     block is denoised to the end, then committed through the encoder. (ids, denoise passes)."""
     settings = runner.generation
-    cache, length = runner._encode_into_cache(spec.prompt)
+    started = runner.start_generation(spec, canvas_length)  # only for its prompt's KV cache
+    cache, length = started.cache, started.length
     generator = torch.Generator().manual_seed(spec.seed)
     produced: list[int] = []
     passes = 0
@@ -49,7 +50,7 @@ def one_shot(runner, spec: GenerateSpec, canvas_length: int) -> tuple[list[int],
                                         decoder_position_ids=positions,
                                         self_conditioning_logits=conditioning).last_hidden_state
             passes += 1
-            scaled = runner._logits(hidden)[0] / temperature_at(remaining, steps, settings["t_min"], settings["t_max"])
+            scaled = runner.logits(hidden)[0] / temperature_at(remaining, steps, settings["t_min"], settings["t_max"])
             argmax = torch.argmax(scaled, dim=-1)
             sampled = gumbel_argmax(scaled, generator)
             logp = torch.log_softmax(scaled, dim=-1)

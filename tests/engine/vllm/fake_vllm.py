@@ -3,7 +3,8 @@ die mid-request: `python -m tests.engine.vllm.fake_vllm PORT MODE`.
 
 Modes (switch with POST /_mode {"mode": ...}): ok, garbage (200 with a body that is not JSON),
 badshape (200 JSON without logprobs), hang (never answers; notices when the client goes away),
-die (the process exits while a request is open), error500, error400, slow (ok after 0.3 s).
+die (the process exits while a request is open), error500, error400, slow (ok after 0.3 s),
+rerender (a chat read says it rendered the prompt as other ids than djev's).
 GET /_state says what it saw: the request bodies, requests still open, requests whose client left.
 """
 
@@ -111,7 +112,10 @@ async def chat(request: Request) -> Response:
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
     if body.get("logprob_token_ids"):
-        return JSONResponse(chat_read_answer(body))
+        answer = chat_read_answer(body)
+        if STATE["mode"] == "rerender":
+            answer["prompt_token_ids"] = [1, 2, 3]  # as `return_token_ids` reports them; never a djev prompt
+        return JSONResponse(answer)
     return JSONResponse({"object": "chat.completion", "echo": body}, status_code=200)
 
 

@@ -416,6 +416,24 @@ def test_over_http_a_failing_upstream_is_a_502_naming_it_and_none_left_a_503(fak
     assert health.status_code == 503 and health.json()["engine"] == "remote"
 
 
+def test_a_chat_prompt_vllm_rendered_unlike_djevs_ids_is_counted_and_read_on(fakes, tiny_dir, tokenizer, caplog):
+    fake = fakes[0]
+    prompt = Prompt(tuple(tokenizer.render_chat("Question q1: is it clear?", "the camera frame", 1, thinking=False)),
+                    (ImageInput(b"\x89PNG\r\n", "image/png"),))
+    base = a_spec(tokenizer, canvases=1)
+    spec = ReadSpec(prompt, base.canvases, base.slots, base.label_ids, 1, 0)
+    reader = load_remote_reader(tiny_dir, options(fake.url))
+    fake.mode("rerender")
+    try:
+        with caplog.at_level("WARNING", logger="djev.engine"):
+            [result] = asyncio.run(with_reader(reader, lambda: reader.read([spec])))
+    finally:
+        fake.reset()
+    assert reader.stats["chat_prompts_checked"] == 1 and reader.stats["chat_prompt_mismatches"] == 1
+    assert any("rendered the chat prompt differently" in record.getMessage() for record in caplog.records)
+    assert result.prompt_tokens == 77  # the read went on with vLLM's rendering
+
+
 def test_chat_forms_made_in_workers_share_the_tokenizers_lock(tiny_dir):
     reader = load_remote_reader(tiny_dir, options("http://127.0.0.1:9"))
     assert reader.chat_former.lock is reader.tokenizer.lock  # one transformers wrapper, one lock

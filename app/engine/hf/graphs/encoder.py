@@ -15,7 +15,8 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -157,10 +158,16 @@ class EncoderGraphs:
         self.prefix_length = torch.zeros(1, dtype=torch.long, device=device)
 
     @property
+    def buffers(self) -> Mapping[str, torch.Tensor]:
+        """The flat static buffers every graph's tensors view, by name ("embeds", then "k<layer>" and
+        "v<layer>"), each made when a graph first needs it; a read-only view of the mapping."""
+        return MappingProxyType(self._storage)
+
+    @property
     def memory_bytes(self) -> int:
         """GPU memory the graphs hold: the shared static buffers (inputs and KV of the largest batch)
         plus what each capture added to the pool when it was built."""
-        shared = sum(t.numel() * t.element_size() for t in self._storage.values())
+        shared = sum(t.numel() * t.element_size() for t in self.buffers.values())
         return shared + sum(graph.memory for graph in self.graphs.values())
 
     def key(self, rows: int, longest: int, prefix: int = 0) -> Key | None:

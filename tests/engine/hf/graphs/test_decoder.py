@@ -15,7 +15,7 @@ from tests.engine.hf.test_reader import spec_for
 
 def static_runner(tiny_dir, **options):
     runner = make_tiny_reader(tiny_dir).runner
-    runner.graphs = DecoderGraphs(runner.model, runner.layer_types, runner.device, pad_id=runner._pad_id(),
+    runner.graphs = DecoderGraphs(runner.model, runner.layer_types, runner.device, pad_id=runner.pad_id,
                                   capture=False, **options)
     return runner
 
@@ -42,7 +42,7 @@ def test_multi_step_reads_replay_conditioned_graphs_and_equal_the_eager_path(tin
     conditioning = torch.randn(len(rows), len(rows[0][1]), static.vocab_size, generator=torch.Generator().manual_seed(0))
     static_hidden = static.graphs.hidden(rows, conditioning)
     static.graphs, graphs = None, static.graphs
-    eager_hidden = static._decoder_hidden(rows, conditioning)
+    eager_hidden = static.decoder_hidden(rows, conditioning)
     assert torch.allclose(static_hidden, eager_hidden, atol=1e-4)
 
 
@@ -106,7 +106,7 @@ def test_a_graph_pass_writes_the_canvas_kv_after_the_prompt_instead_of_concatena
     got = static.graphs.hidden(rows)
     in_place = len(concatenated)
     static.graphs, graphs = None, static.graphs
-    want = static._decoder_hidden(rows)
+    want = static.decoder_hidden(rows)
     monkeypatch.undo()
     assert in_place == 0 and len(concatenated) > 0  # the eager pass still concatenates
     assert torch.allclose(got, want, atol=1e-4)

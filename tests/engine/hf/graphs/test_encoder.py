@@ -10,7 +10,7 @@ import io
 import pytest
 import torch
 
-from app.engine.base import ImageInput, Prompt
+from app.engine.base import GenerateSpec, ImageInput, Prompt
 from app.engine.hf.graphs.encoder import EAGER_STEP, EncoderGraphs, bucket_of
 from tests.conftest import make_tiny_reader
 
@@ -152,7 +152,7 @@ def test_the_vision_graph_path_equals_the_library_forward(tiny_dir, tokenizer):
     vision = VisionGraphs(runner.model, runner.device, capture=False)
     frames = tuple(ImageInput(jpeg(colour), "image/jpeg", f"frame {n}")
                    for n, colour in enumerate([(200, 10, 10), (10, 200, 10), (10, 10, 200)]))
-    inputs = runner._expand(Prompt(tuple(tokenizer.render_chat("Look.", "ahead?", 3, False)), frames))
+    inputs = runner.model_inputs(Prompt(tuple(tokenizer.render_chat("Look.", "ahead?", 3, False)), frames))
     pixels, positions = inputs["pixel_values"], inputs["image_position_ids"]
     expected = runner.model.model.encoder.get_image_features(pixels, positions, return_dict=True).pooler_output
     got = vision.features(pixels, positions)  # 3 images ride the 4-image bucket: one padding image
@@ -181,15 +181,25 @@ def test_a_generation_prompt_takes_the_encoder_graph_path_and_generates_as_eager
     assert again.ids == b.ids and graphed.stats["encoder_graph_replays"] == 1
 
 
+@torch.no_grad()
 def test_a_long_or_image_generation_prompt_stays_on_the_eager_pass(tiny_dir, tokenizer):
     graphed = graphed_runner(tiny_dir)
     window = int(graphed.text_config.sliding_window)
+
+    def encoded_on_the_graph_path(prompt: Prompt) -> bool:
+        """Whether starting a generation encoded its prompt on the encoder graphs' path (a replay)
+        rather than in the eager pass: one encoder pass either way."""
+        passes, replays = graphed.stats["encoder_passes"], graphed.stats["encoder_graph_replays"]
+        graphed.start_generation(GenerateSpec(prompt, 16, (), seed=0), 32)
+        assert graphed.stats["encoder_passes"] == passes + 1
+        return graphed.stats["encoder_graph_replays"] == replays + 1
+
     long_prompt = text_prompt(tokenizer, window, "w")
-    assert len(long_prompt.ids) >= window
-    assert not graphed._graph_encodable(long_prompt)
-    image = ImageInput(b"not read here", "image/png", "frame")
-    assert not graphed._graph_encodable(Prompt((1, 2, 3), (image,)))
-    assert graphed._graph_encodable(Prompt(tuple(tokenizer.render_chat("Think.", "a state", 0, True))))
+    assert window <= len(long_prompt.ids) <= LENGTHS[-1]  # a bucket holds it: only the window keeps it eager
+    assert not encoded_on_the_graph_path(long_prompt)
+    image = ImageInput(jpeg((30, 200, 30)), "image/jpeg", "frame")
+    assert not encoded_on_the_graph_path(Prompt(tuple(tokenizer.render_chat("Look.", "ahead?", 1, False)), (image,)))
+    assert encoded_on_the_graph_path(Prompt(tuple(tokenizer.render_chat("Think.", "a state", 0, True))))
 
 
 def test_kv_is_copied_token_major_in_the_rows_own_structure():

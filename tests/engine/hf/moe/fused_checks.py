@@ -92,7 +92,7 @@ def model_case(checkpoint: str) -> dict:
         return model.model(past_key_values=cache, decoder_input_ids=canvas.expand(rows, -1),
                            decoder_position_ids=torch.arange(40, 56).expand(rows, -1)).last_hidden_state
 
-    before = model.config._experts_implementation
+    before = model.get_experts_implementation()[""]
     library = hidden()
     reason = fused_moe.use_fused_experts(model)
     fused = hidden()
@@ -108,7 +108,7 @@ def model_case(checkpoint: str) -> dict:
         _ = hidden(rows=rows)
         ranges.add(fused_moe.block_config(rows * 16 * top_k, experts).block_m)
     return {
-        "before": before, "after": model.config._experts_implementation, "reason": reason,
+        "before": before, "after": model.get_experts_implementation()[""], "reason": reason,
         "fused_vs_library": (fused - library).abs().max().item(),
         "compiled_vs_fused": (compiled - fused).abs().max().item(),
         "scale": library.abs().max().item(),

@@ -56,14 +56,14 @@ def test_a_model_the_kernels_cannot_run_keeps_its_experts(tiny_dir, monkeypatch)
     from transformers import DiffusionGemmaForBlockDiffusion
 
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(tiny_dir), dtype=torch.float32)
-    before = model.config._experts_implementation
+    before = model.get_experts_implementation()
     model.config.text_config.hidden_activation = "silu"
     assert "silu" in fused_moe.use_fused_experts(model)
-    assert model.config._experts_implementation == before
+    assert model.get_experts_implementation() == before
     model.config.text_config.hidden_activation = "gelu_pytorch_tanh"
     monkeypatch.setitem(__import__("sys").modules, "triton", None)  # Triton not importable
     assert "Triton" in fused_moe.use_fused_experts(model)
-    assert model.config._experts_implementation == before
+    assert model.get_experts_implementation() == before
 
 
 @pytest.fixture(scope="module")
