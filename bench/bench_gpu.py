@@ -241,7 +241,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                  "DiffusionGemma 26B-A4B architecture, random weights (the published config)",
         "parameters": parameters,
         "dtype": str(dtype).replace("torch.", ""),
-        "experts_implementation": getattr(model.config, "_experts_implementation", None),  # the last mode's; each case has its own
+        # the last mode's; each case has its own
+        "experts_implementation": model.get_experts_implementation(),
         "build_s": round(build_s, 1),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if on_cuda else None,
         "prompt_tokens": args.prompt_tokens,

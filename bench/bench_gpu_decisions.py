@@ -269,7 +269,8 @@ def breakdown(runner: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str
                 context = EncodedPrompt([(layer.keys, layer.values) for layer in gen.cache.layers], gen.length)
                 row = [(context, block.canvas[0].tolist())]
                 timed("think pass: decoder graph replay alone (width 64, self-conditioned)",
-                      lambda: runner.graphs.hidden(row, conditioning) if runner.graphs else runner.decoder_hidden(row, conditioning))
+                      lambda: (runner.graphs.hidden(row, conditioning) if runner.graphs
+                               else runner.decoder_hidden(row, conditioning)))
             timed("think pass: whole step_generation (width 64)", lambda: runner.step_generation(gen))
     return {name: round(statistics.median(values[2:] or values), 1) for name, values in stages.items()}
 

@@ -35,7 +35,15 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
-    REPO, fmt, header, machine, markdown_table, percentile, tiny_checkpoint, vllm_cpu_env, write_json,
+    REPO,
+    fmt,
+    header,
+    machine,
+    markdown_table,
+    percentile,
+    tiny_checkpoint,
+    vllm_cpu_env,
+    write_json,
 )
 
 QUESTIONS = {

@@ -42,9 +42,9 @@ def main() -> None:
     import torch
     from transformers import DiffusionGemmaConfig
 
-    from app.engine.hf.runner import DiffusionRunner
     from app.engine.hf.graphs.decoder import DecoderGraphs
     from app.engine.hf.graphs.encoder import EncoderGraphs
+    from app.engine.hf.runner import DiffusionRunner
 
     device = torch.device("cuda")
     fused = "--fused-moe" in sys.argv[1:]

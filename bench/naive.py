@@ -88,7 +88,7 @@ def measure_naive(model: Any, batches: Sequence[int] = (1, 8, 32), prompt_tokens
                 del graph
             except Exception as exc:  # noqa: BLE001 - a baseline that cannot be captured is reported, not fatal
                 print(f"  naive decoder pass batch {batch}: capture failed: {exc!r}"[:300], flush=True)
-            del cached
+            cached = None  # drop this batch's KV before the next
             if batch in static_batches:
                 try:
                     static = StaticCache(config=text_config, max_cache_len=prompt_tokens)

@@ -122,7 +122,8 @@ def check_memory(model: Path, config: dict) -> None:
     need = weights + settings.vllm.kv_cache_gb + transient + headroom
     available = mem_available_gib(os.environ.get("MEMINFO", "/proc/meminfo"))
     print(f"memory: {available:.1f} GB available, need {need:.1f} (weights {weights:.1f} + KV "
-          f"{settings.vllm.kv_cache_gb:g} + start-up transient {transient} [{settings.vllm.max_seqs} seqs x {settings.decisions.canvas} "
+          f"{settings.vllm.kv_cache_gb:g} + start-up transient {transient} [{settings.vllm.max_seqs} seqs x "
+          f"{settings.decisions.canvas} "
           f"canvas x {vocab} vocab x {copies:g} fp32 copies] + headroom {headroom:g})")
     if available < need:
         fail("refusing to start: not enough memory; stop other models first, or lower MAX_SEQS, CANVAS or "

@@ -3,7 +3,6 @@ the tiny model when there is no GPU."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from app.build import CheckpointError, resolve_checkpoint

@@ -20,7 +20,8 @@ def test_env_example_matches_the_settings():
 
 def test_env_values_are_read_and_converted():
     settings = Settings.from_env({"STRUCTURED_PORT": "9000", "TEST_PAGE": "0", "API_KEY": "k", "CANVAS": "64"})
-    assert (settings.server.port, settings.server.pages, settings.server.api_key, settings.decisions.canvas) == (9000, False, "k", 64)
+    server = settings.server
+    assert (server.port, server.pages, server.api_key, settings.decisions.canvas) == (9000, False, "k", 64)
     assert build.limits(settings).max_samples == 32 and build.read_settings(settings).canvas_length == 64
 
 

@@ -176,7 +176,8 @@ def test_no_api_key_and_no_request_body_in_any_log_at_debug(tiny_dir, root_loggi
     app = create_app(Settings.of(api_key=KEY, log_level="debug", log_format=fmt), make_tiny_reader(tiny_dir))
     with live_server(app, log_config=None, log_level="debug") as url, httpx.Client(base_url=url, timeout=120) as client:
         assert client.post("/v1/systemone", json=decision(MARK), headers=auth).status_code == 200
-        assert client.post("/v1/systemone", json=decision(MARK), headers={"authorization": f"Bearer {wrong_key}"}).status_code in (401, 403)
+        wrong = {"authorization": f"Bearer {wrong_key}"}
+        assert client.post("/v1/systemone", json=decision(MARK), headers=wrong).status_code in (401, 403)
         bad = decision(MARK)
         bad["questions"]["urgent"]["type"] = f"kind-{MARK}"
         assert client.post("/v1/systemone", json=bad, headers=auth).status_code == 422

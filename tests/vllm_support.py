@@ -22,7 +22,6 @@ import httpx
 import pytest
 
 from app.selftest import DECISION
-
 from app.server import free_port
 from bench.common import vllm_cpu_env
 

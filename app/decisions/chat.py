@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.decisions.models import extension_keys, question_pass_through_keys
 from app.decisions.errors import RequestError
+from app.decisions.models import extension_keys, question_pass_through_keys
 
 SHAPE = "a structured request is exactly two messages: the schema (system) and the state JSON (user)"
 NOT_JSON = "system must be a JSON question schema and user must be JSON state or image parts"

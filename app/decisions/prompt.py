@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from app.decisions.questions import Question
-from app.engine.base import ChatTokenizer
 from app.decisions.template import REPLY_INSTRUCTION
+from app.engine.base import ChatTokenizer
 
 HEADER = (
     "Answer a fixed set of questions about the state the user provides. Each question lists its "

@@ -1,8 +1,9 @@
 """Pure ASGI middleware every HTTP request passes.
 
 `FrontDoor`: a request id on every response (and bound to `request_id_var`, so every log line the
-request writes carries it), the bearer check on every POST before its body is read or its route resolved, and the last word on an exception no handler took (a 500 through the one
-error map, the traceback in the log, no internals to the client).
+request writes carries it), the bearer check on every POST before its body is read or its route
+resolved, and the last word on an exception no handler took (a 500 through the one error map, the
+traceback in the log, no internals to the client).
 
 `SecurityHeaders`: a Content-Security-Policy allowing the server itself plus what the pages really
 use (`blob:` and `data:` images for previews and the favicon, `blob:` media for the camera, the

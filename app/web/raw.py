@@ -20,7 +20,6 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
-
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route

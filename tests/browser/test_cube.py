@@ -8,7 +8,6 @@ import json
 import math
 from pathlib import Path
 
-
 from tests.browser.conftest import screenshot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,7 +146,8 @@ def test_structure_and_live_run_places_every_card(page_factory, page_server):
     assert page.locator("h1").text_content() == "Cube Rule Live"
     heads = page.locator(".row-head .sides").all_text_contents()
     assert heads == SIDES
-    page.wait_for_function("() => document.querySelectorAll('#pool .card').length + document.querySelectorAll('.rows .card').length === 27")
+    page.wait_for_function(
+        "() => document.querySelectorAll('#pool .card').length + document.querySelectorAll('.rows .card').length === 27")
     page.wait_for_function("() => document.getElementById('cube').dataset.state === 'live'", timeout=15_000)
     assert page.locator("#run-live").is_disabled() and page.locator("#replay").is_disabled()
     page.wait_for_function(ALL_PLACED, arg=27, timeout=RUN_TIMEOUT_MS)
@@ -245,7 +245,8 @@ def test_cards_in_a_row_are_sorted_highest_first(page_factory, page_server):
     expected = sorted((fake["foods"][n]["cube"]["toast"] for n in names[0::3]), reverse=True)
     assert [card["p"] for card in board["rows"][0]["cards"]] == expected
     # the heat border follows the probability: the first card is hotter than the last
-    borders = page.eval_on_selector_all('.row[data-category="toast"] .card', "cards => cards.map(c => getComputedStyle(c).borderTopColor)")
+    borders = page.eval_on_selector_all('.row[data-category="toast"] .card',
+                                        "cards => cards.map(c => getComputedStyle(c).borderTopColor)")
     assert borders[0] != borders[-1]
     page.wait_for_timeout(1200)
     screenshot(page, "cube-sorted")
@@ -279,7 +280,8 @@ def test_a_users_photo_becomes_a_card_and_is_classified_live(page_factory, page_
       const ctx = canvas.getContext('2d'); ctx.fillStyle = '#c84'; ctx.fillRect(0, 0, 64, 48);
       const blob = await new Promise((r) => canvas.toBlob(r, 'image/png'));
       const data = new DataTransfer(); data.items.add(new File([blob], 'dropped soup.png', {type: 'image/png'}));
-      document.getElementById('pool-wrap').dispatchEvent(new DragEvent('drop', {dataTransfer: data, bubbles: true, cancelable: true}));
+      document.getElementById('pool-wrap').dispatchEvent(
+        new DragEvent('drop', {dataTransfer: data, bubbles: true, cancelable: true}));
     }""")
     page.wait_for_selector('#pool .card.user[data-name="dropped soup"]')
     page.click("#reset")

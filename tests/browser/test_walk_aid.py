@@ -15,10 +15,10 @@ import pytest
 
 from app.config import Settings
 from app.server import create_app
-from tests.conftest import free_port, live_server
-from tests.fakes import ScriptedReader
 from tests.browser.conftest import screenshot
 from tests.browser.test_walk import LABELS, PHONE, TIMEOUT_MS, ScriptedStream, hazard, wait_frames
+from tests.conftest import free_port, live_server
+from tests.fakes import ScriptedReader
 
 NO_ANSWER = "no answer — stop"
 DANGER_BUZZ = [120, 80, 120, 80, 120]

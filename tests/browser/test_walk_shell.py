@@ -18,10 +18,10 @@ from starlette.testclient import TestClient
 from app.config import Settings
 from app.server import create_app
 from app.web.pages import APP_DIR
-from tests.conftest import live_server
-from tests.fakes import ScriptedReader
 from tests.browser.conftest import screenshot
 from tests.browser.test_walk import PHONE, TIMEOUT_MS
+from tests.conftest import live_server
+from tests.fakes import ScriptedReader
 
 SW_SOURCE = (APP_DIR / "static" / "walk" / "sw.js").read_text()
 SHELL = re.findall(r'^  "(/[^"]*)",$', SW_SOURCE, flags=re.M)

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.decisions.errors import RequestError
-from tests.conftest import LIMITS
 from app.decisions.request import parse_decision
+from tests.conftest import LIMITS
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),

@@ -47,24 +47,31 @@ ROWS = {
     ((*Q, ANY, ANY), "extra_forbidden"): (question(type="noul", critera={}), {}, 422, "question 'q': unknown field 'critera'",
                                           ("questions", "q", "critera")),
     ((*Q, "noul", "criteria"), None): (question(type="noul", criteria="yes or no"), {}, 422,
-                                       "question 'q': noul criteria must be an object with true and false", ("questions", "q", "criteria")),
+                                       "question 'q': noul criteria must be an object with true and false",
+                                       ("questions", "q", "criteria")),
     ((*Q, "noul", "criteria", ANY), "extra_forbidden"): (question(type="noul", criteria={"yes": "x"}), {}, 422,
                                                          "question 'q': noul criteria take only true and false, not 'yes'",
                                                          ("questions", "q", "criteria", "yes")),
     ((*Q, "choice", "criteria"), None): (question(type="choice"), {}, 422,
-                                         "question 'q': choice criteria must map option names to descriptions", ("questions", "q", "criteria")),
+                                         "question 'q': choice criteria must map option names to descriptions",
+                                         ("questions", "q", "criteria")),
     ((*Q, "choice", "criteria"), "too_long"): (question(type="choice", criteria={f"o{i}": None for i in range(256)}), {}, 400,
-                                               "Too many choices. Must have at most 255 choices.", ("questions", "q", "criteria")),
+                                               "Too many choices. Must have at most 255 choices.",
+                                               ("questions", "q", "criteria")),
     ((*Q, "choice", "criteria", ANY), None): (question(type="choice", criteria={"a": None, "\t": None}), {}, 422,
-                                              "question 'q': option names must not be empty", ("questions", "q", "criteria", "\t")),
+                                              "question 'q': option names must not be empty",
+                                              ("questions", "q", "criteria", "\t")),
     ((*Q, "score", "criteria"), None): (question(type="score", criteria="low, high"), {}, 422,
-                                        "question 'q': score criteria must be an ordered list of levels", ("questions", "q", "criteria")),
+                                        "question 'q': score criteria must be an ordered list of levels",
+                                        ("questions", "q", "criteria")),
     ((*Q, "score", "criteria"), "too_long"): (question(type="score", criteria=[str(i) for i in range(11)]), {}, 400,
-                                              "Too many score levels. Must have at most 10 levels.", ("questions", "q", "criteria")),
+                                              "Too many score levels. Must have at most 10 levels.",
+                                              ("questions", "q", "criteria")),
     ((*Q, "score", "criteria", ANY), None): (question(type="score", criteria=["low", " "]), {}, 422,
                                              "question 'q': level 1 must not be empty", ("questions", "q", "criteria", 1)),
     ((*Q, ANY, "depends_on"), None): (question(type="noul", depends_on=[["a"]]), {}, 422,
-                                      "question 'q': depends_on must be a list of question ids", ("questions", "q", "depends_on")),
+                                      "question 'q': depends_on must be a list of question ids",
+                                      ("questions", "q", "depends_on")),
     ((*Q, ANY, "ask_if"), None): (question(type="noul", ask_if={"a": "yes"}), {}, 422,
                                   "question 'q': ask_if must map a question id to a non-empty list of its answers",
                                   ("questions", "q", "ask_if")),
@@ -79,8 +86,10 @@ ROWS = {
     (("seed",), None): (body(seed=-(2**63)), {}, 422,
                         "seed: must be an integer from -9223372036854775807 to 9223372036854775807", ("seed",)),
     (("ask",), None): (body(ask=[1]), {}, 422, "schema: ask must list question ids from this schema", ("ask",)),
-    (("chunk_rows",), None): (body(chunk_rows=7), {}, 422, "schema: chunk_rows must be an integer of at least 8", ("chunk_rows",)),
-    (("chunk_prompt",), None): (body(chunk_prompt="OWN"), {}, 422, 'schema: chunk_prompt must be "shared" or "own"', ("chunk_prompt",)),
+    (("chunk_rows",), None): (body(chunk_rows=7), {}, 422, "schema: chunk_rows must be an integer of at least 8",
+                              ("chunk_rows",)),
+    (("chunk_prompt",), None): (body(chunk_prompt="OWN"), {}, 422, 'schema: chunk_prompt must be "shared" or "own"',
+                                ("chunk_prompt",)),
     (("sequential",), None): (body(sequential="true"), {}, 422, "schema: sequential must be true or false", ("sequential",)),
     (("isolate",), None): (body(isolate="false"), {}, 422, "schema: isolate must be true or false", ("isolate",)),
     (("confidence",), None): (body(confidence="JEV"), {}, 422,
@@ -154,7 +163,8 @@ def test_unknown_top_level_keys_are_ignored_and_listed_in_body_order():
 
 def test_unknown_keys_inside_a_question_are_refused_first():
     error = refused(question(type="choice", criteria={"only": None}, bogus=1, alone="no"))
-    assert (error.message, error.loc, error.kind) == ("question 'q': unknown field 'bogus'", ("questions", "q", "bogus"), "extra_forbidden")
+    assert (error.message, error.loc, error.kind) == (
+        "question 'q': unknown field 'bogus'", ("questions", "q", "bogus"), "extra_forbidden")
     # and in question order: the first question's bad value before the second's unknown key
     error = refused(body(questions={"a": {"type": "noul", "alone": "no"}, "b": {"type": "noul", "bogus": 1}}))
     assert error.loc == ("questions", "a", "alone")

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import base64
+import dataclasses
 
 import pytest
 
 from app.decisions.errors import RequestError
+from app.decisions.request import parse_decision
 from app.selftest import DECISION
 from tests.conftest import LIMITS
-from app.decisions.request import parse_decision
 
 TICKET = {"model": "jev-latest", **DECISION}  # the README's example (app/selftest.py)
 
@@ -120,7 +119,8 @@ def test_ids_and_option_names_are_kept_byte_for_byte():
     (with_(images=["data:image/png;base64,"]), "images[0]: the image is empty", ("images", 0)),
     (with_(assets=["x"]), "assets: must map a reference", ("assets",)),
     (with_(assets={"<image:x>": {"type": "video", "part": "asset-0"}}), "assets['<image:x>']: must be", ("assets", "<image:x>")),
-    (with_(assets={"<image:x>": {"type": "image", "part": "asset-0"}}), "the request has no part 'asset-0'", ("assets", "<image:x>")),
+    (with_(assets={"<image:x>": {"type": "image", "part": "asset-0"}}), "the request has no part 'asset-0'",
+     ("assets", "<image:x>")),
     ("not an object", "must be a JSON object", ()),
 ])
 def test_refusals_name_the_field(body, message, loc):
@@ -166,7 +166,8 @@ def test_jev_limits_are_400_with_jevs_message():
     assert error.status == 400 and error.jev_detail == "Too many choices. Must have at most 255 choices."
     error = refused(question(type="score", criteria=[f"l{i}" for i in range(11)]))
     assert error.status == 400 and error.jev_detail == "Too many score levels. Must have at most 10 levels."
-    assert len(parse_decision(question(type="choice", criteria={f"o{i}": None for i in range(255)}), LIMITS).questions[0].names) == 255
+    many = question(type="choice", criteria={f"o{i}": None for i in range(255)})
+    assert len(parse_decision(many, LIMITS).questions[0].names) == 255
     assert len(parse_decision(question(type="score", criteria=[f"l{i}" for i in range(10)]), LIMITS).questions[0].names) == 10
 
 
@@ -215,7 +216,8 @@ def test_jev_content_forms_for_instructions_descriptions_and_levels():
 
 def test_json_images_parse_in_both_forms():
     png = base64.b64encode(b"\x89PNG fake").decode()
-    decision = parse_decision(with_(images=[f"data:image/png;base64,{png}", {"content_type": "image/jpeg", "base64": png}]), LIMITS)
+    images = [f"data:image/png;base64,{png}", {"content_type": "image/jpeg", "base64": png}]
+    decision = parse_decision(with_(images=images), LIMITS)
     assert [image.content_type for image in decision.images] == ["image/png", "image/jpeg"]
     assert decision.images[0].data == b"\x89PNG fake" and decision.images[1].source == "images[1]"
 

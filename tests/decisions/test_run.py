@@ -293,7 +293,8 @@ def test_a_template_past_the_canvas_is_refused(scripted):
     outcome = decide(scripted, questions=huge, samples=1)  # one question fits a small canvas
     assert outcome.answers["big"]["choice"] == "o0"
     with pytest.raises(RequestError) as info:  # the thought block in the canvas leaves no room
-        decide(scripted, dataclasses.replace(build.read_settings(Settings.of(thought_placement="canvas")), canvas_length=8), samples=1)
+        narrow = dataclasses.replace(build.read_settings(Settings.of(thought_placement="canvas")), canvas_length=8)
+        decide(scripted, narrow, samples=1)
     assert "the canvas holds 7" in info.value.message and info.value.status == 422
 
 
@@ -461,7 +462,6 @@ def test_a_malformed_read_is_the_engines_failure(tokenizer, garbage):
 def test_isolate_with_a_shared_sheet_keeps_each_question_its_number(scripted, tokenizer):
     decide(scripted, samples=1, isolate=True, chunk_prompt="shared")
     for spec in scripted.reads:
-        canvas = text(tokenizer, spec.canvases[0])
         sheet = text(tokenizer, spec.prompt.ids)
         assert "Question q1:" in sheet and "Question q3:" in sheet  # every question listed
     canvases = sorted(text(tokenizer, spec.canvases[0])[:3] for spec in scripted.reads)

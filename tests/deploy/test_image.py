@@ -5,7 +5,6 @@ the entrypoint runs with stubbed commands (fake `djev` and `nvidia-smi` on PATH,
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess

@@ -64,8 +64,9 @@ def run_reads(llm, reads: list[dict]):
 def main() -> None:
     job = json.loads(open(sys.argv[1]).read())
     started = time.monotonic()
-    import djev_vllm_patch
     from vllm import LLM
+
+    import djev_vllm_patch
 
     engine = dict(dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
                   max_num_batched_tokens=1024, seed=0,

@@ -4,9 +4,8 @@ counts cost; request-sized work runs in worker threads, not on the event loop.""
 
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
+import dataclasses
 import threading
 import time
 

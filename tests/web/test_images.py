@@ -76,7 +76,8 @@ def test_multipart_with_image_parts_of_any_name(client):
 
 
 def test_json_images_in_both_forms(client):
-    request = {**REQUEST, "images": [data_url(png()), {"content_type": "image/jpeg", "base64": base64.b64encode(jpeg()).decode()}]}
+    jpeg_object = {"content_type": "image/jpeg", "base64": base64.b64encode(jpeg()).decode()}
+    request = {**REQUEST, "images": [data_url(png()), jpeg_object]}
     response = client.post("/v1/systemone", json=request)
     assert response.status_code == 200
     assert response.json()["usage"]["input_tokens"] > text_only_tokens(client) + 2 * 20

@@ -14,11 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from app.engine.hf import compiled
 from app.engine.base import GenerateSpec, Prompt
+from app.engine.hf import compiled
 from tests.conftest import make_tiny_reader
 from tests.engine.hf.test_reader import spec_for
-from tests.engine.hf.test_scheduling import FakeRunner, make_reader, spec as tagged_spec
+from tests.engine.hf.test_scheduling import FakeRunner, make_reader
+from tests.engine.hf.test_scheduling import spec as tagged_spec
 
 
 def logprobs(results):

@@ -14,8 +14,8 @@ import pytest
 
 from app.engine.base import EngineInputError, GenerateSpec, ImageInput, Prompt, ReadSpec
 from tests.conftest import make_tiny_reader
-from tests.engine.hf.test_reader import spec_for
 from tests.engine.hf.graphs.test_encoder import jpeg
+from tests.engine.hf.test_reader import spec_for
 
 
 class ThreadRecorder:

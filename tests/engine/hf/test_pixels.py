@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from app.engine.hf import pixels
 from app.engine.base import ImageInput, Prompt
+from app.engine.hf import pixels
 from tests.conftest import make_tiny_reader
 from tests.engine.hf.test_reader import spec_for
 

@@ -13,8 +13,8 @@ import pytest
 
 from app.engine.base import (
     EngineError,
-    EngineUnavailable,
     EngineInputError,
+    EngineUnavailable,
     GenerateChunk,
     GenerateSpec,
     Prompt,

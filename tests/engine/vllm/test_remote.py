@@ -18,11 +18,24 @@ from app.engine.base import Prompt, ReadSpec
 from app.engine.tiny import TINY_MODEL_NAME
 from app.engine.vllm.remote import RemoteOptions, load_remote_reader
 from app.engine.vllm.wire import (
-    chat_read_body, collapse_images, completion_read_body, label_id_groups, parse_chat_read, parse_completion_read)
+    chat_read_body,
+    collapse_images,
+    completion_read_body,
+    label_id_groups,
+    parse_chat_read,
+    parse_completion_read,
+)
 from app.server import create_app, serve_in_background
 from tests.conftest import make_tiny_reader
 from tests.vllm_support import (
-    TICKET, assert_same_answers, base_url, require_vllm, server_processes, stop_process, vllm_openai_command)
+    TICKET,
+    assert_same_answers,
+    base_url,
+    require_vllm,
+    server_processes,
+    stop_process,
+    vllm_openai_command,
+)
 
 
 def remote_options(*urls: str) -> RemoteOptions:

@@ -18,8 +18,7 @@ import httpx
 import pytest
 
 from app.config import Settings
-from app.engine.base import (
-    EngineError, EngineInputError, EngineUnavailable, GenerateSpec, ImageInput, Prompt, ReadSpec)
+from app.engine.base import EngineError, EngineInputError, EngineUnavailable, GenerateSpec, ImageInput, Prompt, ReadSpec
 from app.engine.tiny import TINY_MODEL_NAME
 from app.engine.vllm.remote import RemoteOptions, load_remote_reader
 from app.server import create_app, free_port, serve_in_background
@@ -157,7 +156,8 @@ def test_255_label_ids_are_split_into_requests_of_at_most_128_and_merged(fakes, 
 
 
 def test_a_large_answer_is_decoded_and_parsed_off_the_event_loop(fakes, tiny_dir, tokenizer, monkeypatch):
-    from app.engine.vllm import remote as vllm_remote, upstreams
+    from app.engine.vllm import remote as vllm_remote
+    from app.engine.vllm import upstreams
 
     fake = fakes[0]
     fake.reset()

@@ -41,7 +41,7 @@ def test_multi_step_reads_replay_conditioned_graphs_and_equal_the_eager_path(tin
     rows = [(encoded, list(canvas)) for canvas in specs[0].canvases]
     conditioning = torch.randn(len(rows), len(rows[0][1]), static.vocab_size, generator=torch.Generator().manual_seed(0))
     static_hidden = static.graphs.hidden(rows, conditioning)
-    static.graphs, graphs = None, static.graphs
+    static.graphs = None  # the eager decoder pass, for comparison
     eager_hidden = static.decoder_hidden(rows, conditioning)
     assert torch.allclose(static_hidden, eager_hidden, atol=1e-4)
 
@@ -105,7 +105,7 @@ def test_a_graph_pass_writes_the_canvas_kv_after_the_prompt_instead_of_concatena
     monkeypatch.setattr(torch, "cat", counting_cat)
     got = static.graphs.hidden(rows)
     in_place = len(concatenated)
-    static.graphs, graphs = None, static.graphs
+    static.graphs, graphs = None, static.graphs  # the eager decoder pass, for comparison
     want = static.decoder_hidden(rows)
     monkeypatch.undo()
     assert in_place == 0 and len(concatenated) > 0  # the eager pass still concatenates
