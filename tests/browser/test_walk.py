@@ -5,6 +5,7 @@ banner, an arrow and bars, with no scrolling and no layout shift."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from tests.browser.conftest import screenshot
@@ -275,3 +276,45 @@ def test_walk_landscape_still_fits(page_server, page_factory):
     assert_result_shown(page)
     assert_no_scroll(page)
     screenshot(page, "walk-phone-landscape")
+
+
+def busy_wait_shown(page) -> float:
+    """The wait the status line announces after a 1013, in seconds."""
+    page.wait_for_function("() => document.getElementById('status').textContent.startsWith('server busy')")
+    status = page.text_content("#status")
+    assert "too many camera sessions" in status, status
+    return float(re.search(r"trying again in ([0-9.]+) s", status).group(1))
+
+
+def test_a_full_server_is_asked_again_later_and_later_with_jitter(page_server, page_factory):
+    page = open_walk(page_factory, page_server)
+    stream = ScriptedStream(page)
+    page.click("#toggle")
+    stream.wait_frames(1)
+    refusal = "too many camera sessions: at most 1; try again later"
+
+    # Refused with 1013: no answer, said on screen with the wait, and no knock before it.
+    stream.route.close(code=1013, reason=refusal)
+    first = busy_wait_shown(page)
+    assert 1.0 <= first <= 3.0  # 2 s, jittered to 50-150 %
+    assert page.text_content("#banner") == "no answer — stop"
+    page.wait_for_timeout(900)
+    assert stream.connections == 1  # not the plain one-second reconnect
+    stream.wait_frames(2)  # then it comes back by itself and streams again
+    assert stream.connections == 2
+
+    # Refused again before any answer: the wait doubles.
+    stream.route.close(code=1013, reason=refusal)
+    second = busy_wait_shown(page)
+    assert 2.0 <= second <= 6.0
+    page.wait_for_timeout(1900)
+    assert stream.connections == 2
+    stream.wait_frames(3)
+
+    # An answer resets it: the next refusal waits the first wait again.
+    stream.answer({"type": "result", "answers": {"ahead": hazard("all clear ahead", 0.8), "side": None},
+                   "diagnostics": {}, "dropped": [], "dropped_total": 0})
+    wait_frames(page, 1)
+    stream.route.close(code=1013, reason=refusal)
+    assert 1.0 <= busy_wait_shown(page) <= 3.0
+    assert page.errors == []

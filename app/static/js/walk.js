@@ -52,6 +52,11 @@ const THINK_TOKENS = 64;
 const FRAME_WIDTH = 512;
 const FRAME_QUALITY = 0.7;
 const RECONNECT_MS = 1000;
+// A full server closes a session it cannot serve fresh with 1013 ("try again later"). The page then
+// waits longer each time (2 s, 4 s, ... up to 30 s), each wait jittered to 50-150 %, so refused
+// phones do not all knock again together every second.
+const BUSY_FIRST_MS = 2000;
+const BUSY_MAX_MS = 30000;
 const ERROR_LINGER_MS = 3000; // an error stays readable on the status line for this long
 
 // The oldest answer the page will show, counted from the capture of its frame. At a walking pace
@@ -74,6 +79,7 @@ const state = {
   // handlers of an older one compare against it and do nothing.
   link: null,
   reconnectTimer: null,
+  busyRefusals: 0, // 1013 closes in a row, since the last answer: how long the next wait is
   ticker: null,
   shown: null, // {capturedAt}: the answer on screen, while it is fresh
   waitingSince: 0, // with nothing shown, when the page began waiting for an answer
@@ -180,6 +186,7 @@ async function start() {
   if (state.running) return;
   state.running = true;
   state.frames = 0;
+  state.busyRefusals = 0;
   state.dropped = 0;
   state.slow = 0;
   state.slowSaid = false;
@@ -333,6 +340,7 @@ function takeCaptureTime(link, frame) {
 
 function onResult(link, message) {
   link.inFlight = false;
+  state.busyRefusals = 0;
   state.frames += 1;
   state.dropped = message.dropped_total ?? state.dropped;
   ui.banner.dataset.frames = state.frames; // a counter for tests and debugging; not shown
@@ -398,8 +406,20 @@ function onClose(event) {
     return;
   }
   showNoAnswer();
-  setStatus(`error: stream closed (${event.code}${reason}); reconnecting`, true);
-  state.reconnectTimer = setTimeout(() => state.running && !state.suspended && openSession(), RECONNECT_MS);
+  let wait = RECONNECT_MS;
+  if (event.code === 1013) {
+    wait = busyWait(state.busyRefusals++);
+    setStatus(`server busy${reason}; trying again in ${(wait / 1000).toFixed(1)} s`, true);
+  } else {
+    setStatus(`error: stream closed (${event.code}${reason}); reconnecting`, true);
+  }
+  state.reconnectTimer = setTimeout(() => state.running && !state.suspended && openSession(), wait);
+}
+
+// The wait before asking a full server again, after `refusals` 1013 closes in a row.
+function busyWait(refusals) {
+  const base = Math.min(BUSY_MAX_MS, BUSY_FIRST_MS * 2 ** refusals);
+  return Math.round(base * (0.5 + Math.random()));
 }
 
 // A phone that locks or switches apps stops streaming (and paying for frames); visible again, the
