@@ -27,10 +27,10 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from app.engine.hf import pixels
 from app.engine.base import EngineInputError, Prompt, decode_images
-from app.engine.hf.pixels import Resized
+from app.engine.hf import pixels
 from app.engine.hf.graphs.encoder import copy_rows
+from app.engine.hf.pixels import Resized
 
 
 @dataclass

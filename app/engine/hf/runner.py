@@ -26,10 +26,10 @@ from app.engine.base import ReadResult, ReadSpec, SlotRead
 from app.engine.hf.generation import GenerationMixin
 from app.engine.hf.pixels import splittable
 from app.engine.hf.prompts import (
-    EncodedPrompt,
-    Preprocessed,
     PREFIX_ENTRIES,
+    EncodedPrompt,
     PrefixIndex,
+    Preprocessed,
     PromptCache,
     PromptEncodingMixin,
 )

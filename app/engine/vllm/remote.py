@@ -37,8 +37,8 @@ from app.engine.base import (
     describe,
     gather_or_cancel,
 )
-from app.engine.vllm.upstreams import Failed, Upstream, UpstreamPool
 from app.engine.vllm.chat import ChatFormer
+from app.engine.vllm.upstreams import Failed, Upstream, UpstreamPool
 from app.engine.vllm.wire import (
     STOCK_LOGPROB_ID_CAP,
     CanvasAnswer,

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-
 IMPLEMENTATION = "djev_fused"  # the name registered in transformers' experts interface
 ACTIVATIONS = ("gelu_pytorch_tanh",)  # what the kernel computes (Gemma 4's experts)
 
