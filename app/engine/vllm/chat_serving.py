@@ -24,7 +24,9 @@ class InProcessChat:
     @classmethod
     async def build(cls, engine: Any, args: Namespace) -> "InProcessChat":
         from starlette.datastructures import State
-        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.app_state import (  # pyright: ignore[reportMissingImports]  # optional: vLLM
+            init_app_state,
+        )
 
         state = State()
         tasks = await engine.get_supported_tasks()
@@ -36,7 +38,10 @@ class InProcessChat:
 
     async def relay(self, body: dict) -> RelayedResponse:
         from pydantic import ValidationError
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
+        from vllm.entrypoints.openai.chat_completion.protocol import (  # pyright: ignore[reportMissingImports]  # optional: vLLM
+            ChatCompletionRequest,
+            ChatCompletionResponse,
+        )
 
         try:
             request = ChatCompletionRequest.model_validate(body)

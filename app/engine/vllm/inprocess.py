@@ -124,7 +124,7 @@ def load_vllm_reader(checkpoint: str | Path, options: VLLMOptions) -> "VLLMReade
     """The engine over a local checkpoint; vLLM itself starts in `start()`. ImportError with what to
     install when vLLM is missing."""
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401  # pyright: ignore[reportMissingImports]  # optional: vLLM
     except ImportError as exc:
         raise ImportError(f"{VLLM_MISSING} ({exc})") from None
     path = Path(checkpoint)
@@ -177,10 +177,10 @@ class VLLMReader:
             import torch
 
             torch.cuda.set_per_process_memory_fraction(self.options.torch_mem_fraction)
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.engine.arg_utils import AsyncEngineArgs  # pyright: ignore[reportMissingImports]  # optional: vLLM
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser  # pyright: ignore[reportMissingImports]  # optional: vLLM
+        from vllm.utils.argparse_utils import FlexibleArgumentParser  # pyright: ignore[reportMissingImports]  # optional: vLLM
+        from vllm.v1.engine.async_llm import AsyncLLM  # pyright: ignore[reportMissingImports]  # optional: vLLM
 
         # vLLM's server parser (the engine's flags and the OpenAI serving's), so EXTRA_ARGS takes
         # anything `vllm serve` takes and the in-process chat serving is set up like vLLM's own.
@@ -219,7 +219,7 @@ class VLLMReader:
     def _on_gpu(self) -> bool:
         if self.options.device == "cpu":
             return False
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]  # optional: vLLM
 
         return bool(current_platform.is_cuda_alike())
 
@@ -258,7 +258,7 @@ class VLLMReader:
     async def _read_canvas(self, engine: Any, spec: ReadSpec, prompt: dict, canvas: tuple[int, ...],
                            groups: Sequence[tuple[int, ...]], slots: frozenset[int]) -> CanvasAnswer:
         """One canvas, one request per group of label ids (`label_id_groups`), answers merged."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # pyright: ignore[reportMissingImports]  # optional: vLLM
 
         parts = []
         for ids in groups:
@@ -323,8 +323,8 @@ class VLLMReader:
     async def stream(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
         """vLLM's block diffusion; each chunk is what vLLM committed since the last. The seed is not
         sent (vLLM refuses per-request seeds for diffusion models)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm import SamplingParams  # pyright: ignore[reportMissingImports]  # optional: vLLM
+        from vllm.sampling_params import RequestOutputKind  # pyright: ignore[reportMissingImports]  # optional: vLLM
 
         engine = self._running()
         if spec.temperature != 1.0:

@@ -122,7 +122,7 @@ def expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_
     """Every token-expert pair's expert output [tokens x top_k, hidden] in the model's dtype, before
     its routing weight: the kernels with the tiles given (bench/bench_gpu_moe.py tries several);
     None = block_config's. `down`, if given, is the down kernel's own tiles (same block_m)."""
-    import triton
+    import triton  # pyright: ignore[reportMissingImports]  # optional: Triton
 
     from app.engine.hf.moe.kernels import RUN_INTERPRETED, down_kernel, gate_up_kernel
 
@@ -199,7 +199,7 @@ def unsupported(config: Any) -> str | None:
     if not getattr(text, "num_experts", None):
         return "the model has no experts"
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  # pyright: ignore[reportMissingImports]  # optional: Triton
     except ImportError as exc:
         return f"Triton is not importable ({exc})"
     return None
