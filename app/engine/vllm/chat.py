@@ -214,10 +214,12 @@ class ChatFormer:
                            for part in content]
             messages.append({"role": message["role"], "content": content})
         with self.lock:
-            return self.raw.apply_chat_template(
+            rendered = self.raw.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=not form.continue_final,
                 continue_final_message=form.continue_final, enable_thinking=form.thinking,
             )
+        assert isinstance(rendered, str)  # tokenize=False renders text (the declared type covers ids too)
+        return rendered
 
     @staticmethod
     def _refuse(why: str) -> EngineInputError:
