@@ -1,7 +1,9 @@
 """The parts of a DiffusionGemma model that the hf engine reaches into, as the classes they are.
 
 Some are typed more loosely than a built model has them: a stack's layers as any nn.Module (torch's
-ModuleList). These give them typed, and checked: TypeError for a model not built that way.
+ModuleList), the text config as whatever DiffusionGemmaConfig accepts (a dict or None too; its
+__post_init__ always makes a DiffusionGemmaTextConfig of it, with its layer types filled in). These
+give them typed, and checked: TypeError for a model not built that way.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 from torch import nn
 
 if TYPE_CHECKING:
-    from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers import DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig
     from transformers.models.diffusion_gemma.modeling_diffusion_gemma import (
         DiffusionGemmaDecoderTextLayer,
         DiffusionGemmaEncoderTextLayer,
@@ -40,3 +42,21 @@ def decoder_layers(model: DiffusionGemmaForBlockDiffusion) -> list[DiffusionGemm
     from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaDecoderTextLayer
 
     return layers_of(model.model.decoder.layers, DiffusionGemmaDecoderTextLayer)
+
+
+def text_config(model: DiffusionGemmaForBlockDiffusion) -> DiffusionGemmaTextConfig:
+    """The model's text config."""
+    from transformers import DiffusionGemmaTextConfig
+
+    config = model.config.text_config
+    if not isinstance(config, DiffusionGemmaTextConfig):
+        raise TypeError(f"the model's text config is a {type(config).__name__}, not a DiffusionGemmaTextConfig")
+    return config
+
+
+def layer_types(model: DiffusionGemmaForBlockDiffusion) -> list[str]:
+    """Each text layer's attention type ("sliding_attention", "full_attention"), in layer order."""
+    types = text_config(model).layer_types
+    if types is None:
+        raise TypeError("the model's text config has no layer types")
+    return list(types)
