@@ -110,7 +110,9 @@ def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
                           ((0,) * width,), (1,), ((base, base + 1),)) for row in range(count)]
         _read_all(runner, specs)
     if getattr(runner, "image_processor", None) is not None and vision_layers(runner.model):
-        ids = (*range(base, base + 32), int(runner.config.image_token_id))
+        image_id = runner.config.image_token_id
+        assert image_id is not None  # a model with an image processor and a vision tower has an image token
+        ids = (*range(base, base + 32), int(image_id))
         picture = ImageInput(_grey_jpeg(), "image/jpeg", "warm-up")
         _read_all(runner, [ReadSpec(Prompt(ids, (picture,)), ((0,) * width,), (1,), ((base, base + 1),))])
     runner.clear_caches()
