@@ -13,7 +13,12 @@ import asyncio
 import hashlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, AsyncIterator, Awaitable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,10 @@ class ImageInput:
         return hashlib.sha256(self.data).hexdigest()[:32]
 
 
+# A prompt's key in the engines' caches: its ids and its images' digests (`ImageInput.digest`).
+CacheKey = tuple[tuple[int, ...], tuple[str, ...]]
+
+
 @dataclass(frozen=True)
 class Prompt:
     """Token ids of a rendered prompt.
@@ -43,18 +52,18 @@ class Prompt:
     images: tuple[ImageInput, ...] = ()
 
     @cached_property
-    def cache_key(self) -> tuple:
+    def cache_key(self) -> CacheKey:
         return (self.ids, tuple(image.digest for image in self.images))
 
 
-def decode_images(prompt: Prompt) -> list:
+def decode_images(prompt: Prompt) -> list[Image.Image]:
     """The prompt's images as RGB PIL images (blocking: call it off the event loop). A file that does
     not decode is the client's: a 422 naming where it came from."""
     import io
 
     from PIL import Image
 
-    pictures = []
+    pictures: list[Image.Image] = []
     for image in prompt.images:
         try:
             with Image.open(io.BytesIO(image.data)) as opened:
@@ -71,7 +80,7 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-async def gather_or_cancel(jobs: Sequence[Awaitable[Any]]) -> list:
+async def gather_or_cancel(jobs: Sequence[Awaitable[T]]) -> list[T]:
     """Await every coroutine at once; if one fails or the caller is cancelled, cancel the rest and
     wait for them, so none outlives the call (a read's canvases in the vLLM engines, a decision's
     groups in the Decider: a refused group must not leave its siblings reading for nobody)."""

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import DiffusionGemmaConfig, PreTrainedTokenizerFast
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
 
 TINY_MODEL_NAME = "djev-tiny-random"
 
@@ -91,7 +96,7 @@ Before answering, think in one short sentence about what is within 2 meters stra
 """
 
 
-def build_tokenizer():
+def build_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer with the real special tokens, wrapped for transformers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -116,7 +121,7 @@ def build_tokenizer():
     )
 
 
-def build_config(tokenizer, canvas_length: int = 128):
+def build_config(tokenizer: PreTrainedTokenizerFast, canvas_length: int = 128) -> DiffusionGemmaConfig:
     from transformers import DiffusionGemmaConfig
 
     text = dict(
@@ -152,14 +157,19 @@ def build_config(tokenizer, canvas_length: int = 128):
         num_attention_heads=2,
         num_key_value_heads=2,
         head_dim=16,
-        patch_size=8,
-        pooling_kernel_size=3,
+        patch_size=TINY_PATCH_SIZE,
+        pooling_kernel_size=TINY_POOLING_KERNEL,
         position_embedding_size=512,
         # vLLM sizes its multimodal budget from this (soft tokens per image); without it vLLM cannot
         # start with images on. 70 is the image processor's budget below.
         default_output_length=TINY_IMAGE_SOFT_TOKENS,
     )
-    ids = tokenizer.convert_tokens_to_ids
+
+    def ids(token: str) -> int:
+        found = tokenizer.convert_tokens_to_ids(token)
+        assert isinstance(found, int)  # one token, one id (the declared type covers lists of tokens)
+        return found
+
     return DiffusionGemmaConfig(
         text_config=text,
         vision_config=vision,
@@ -173,9 +183,12 @@ def build_config(tokenizer, canvas_length: int = 128):
 
 # Soft tokens per image: the smallest budget Gemma 4 supports.
 TINY_IMAGE_SOFT_TOKENS = 70
+# The vision tower's patches (pixels a side) and pooling kernel, which its image processor shares.
+TINY_PATCH_SIZE = 8
+TINY_POOLING_KERNEL = 3
 
 
-def build_generation_config(tokenizer):
+def build_generation_config(tokenizer: PreTrainedTokenizerFast) -> DiffusionGemmaGenerationConfig:
     """The sampler settings, written as numbers: vLLM reads generation_config.json and fails on nulls.
     The values are transformers' DiffusionGemma defaults, as the hf engine keeps them (imported here,
     not at the top: the tiny model's name and marker check need neither torch nor the engine)."""
@@ -214,8 +227,8 @@ def write_tiny_model(directory: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     image_processor = Gemma4ImageProcessorPil(
-        patch_size=config.vision_config.patch_size,
-        pooling_kernel_size=config.vision_config.pooling_kernel_size,
+        patch_size=TINY_PATCH_SIZE,
+        pooling_kernel_size=TINY_POOLING_KERNEL,
         max_soft_tokens=TINY_IMAGE_SOFT_TOKENS,
     )
     image_processor.save_pretrained(path)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from app.engine.base import ChatTokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 # While the chat template renders, private-use stand-ins hold the place of the caller's text. They
 # are cut out again and the caller's text is tokenized on its own with special-token strings kept as
@@ -20,6 +23,9 @@ from app.engine.base import ChatTokenizer
 ENCODE_CACHE_CHARS = 4096
 ENCODE_CACHE_ENTRIES = 4096
 
+# A rendered chat template: its constant pieces as ids, each message's text as the message's index.
+Skeleton = tuple[int | tuple[int, ...], ...]
+
 
 class HFChatTokenizer(ChatTokenizer):
     """Encoding goes straight to the Rust tokenizer (the transformers wrapper costs ~80 us a call,
@@ -28,7 +34,7 @@ class HFChatTokenizer(ChatTokenizer):
     worker threads encode concurrently. The chat template is rendered once per conversation shape
     (roles, images, thinking) and its constant pieces' ids are kept."""
 
-    def __init__(self, tokenizer: Any, *, vocab_size: int, image_token_id: int) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, *, vocab_size: int, image_token_id: int) -> None:
         from tokenizers import Tokenizer
 
         self._tok = tokenizer
@@ -40,13 +46,14 @@ class HFChatTokenizer(ChatTokenizer):
         # Rendering the template and decoding go through the transformers wrapper, which is not safe
         # to share between threads; they are serialised here.
         self._lock = threading.RLock()
-        self._skeletons: dict[tuple, tuple[list[str | int], ...]] = {}
+        self._skeletons: dict[tuple[tuple[str, ...], int, bool], Skeleton] = {}
         # A decision encodes its questions' text, labels and template rows again for every state;
         # only the state changes between tickets. functools' cache is thread-safe.
         self._encode_cached = functools.lru_cache(maxsize=ENCODE_CACHE_ENTRIES)(self._encode_uncached)
         self.vocab_size = vocab_size
         self.image_placeholder_id = image_token_id
-        self.pad_id = self._special_id("<pad>", tokenizer.pad_token_id)
+        pad = tokenizer.pad_token_id  # typed loosely by transformers: any special token's value
+        self.pad_id = self._special_id("<pad>", pad if isinstance(pad, int) else None)
         self.turn_close_id = self._special_id("<turn|>", None)
         self.thought_open = tuple(self.encode_special("<|channel>thought\n"))
         self.thought_close = tuple(self.encode_special("<channel|>"))
@@ -75,7 +82,7 @@ class HFChatTokenizer(ChatTokenizer):
         return tuple(self._plain.encode(text, add_special_tokens=False).ids) if text else ()
 
     @property
-    def wrapper(self) -> Any:
+    def wrapper(self) -> PreTrainedTokenizerFast:
         """The transformers tokenizer itself, for others that render its chat template (ChatFormer):
         they call it under `lock`."""
         return self._tok
@@ -87,7 +94,9 @@ class HFChatTokenizer(ChatTokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
-            return self._tok.decode(list(ids), skip_special_tokens=False)
+            text = self._tok.decode(list(ids), skip_special_tokens=False)
+        assert isinstance(text, str)  # one id sequence decodes to one text (the declared type covers batches)
+        return text
 
     def render_chat(self, system: str, user: str, images: int, thinking: bool) -> list[int]:
         return self.render_messages([("system", system), ("user", user)], images, thinking)
@@ -104,7 +113,7 @@ class HFChatTokenizer(ChatTokenizer):
                 ids.extend(piece)
         return ids
 
-    def _skeleton(self, roles: tuple[str, ...], images: int, thinking: bool) -> tuple:
+    def _skeleton(self, roles: tuple[str, ...], images: int, thinking: bool) -> Skeleton:
         """The rendered template for this shape: constant pieces as ids, message texts as their index."""
         key = (roles, images, thinking)
         found = self._skeletons.get(key)
@@ -125,8 +134,9 @@ class HFChatTokenizer(ChatTokenizer):
             rendered = self._tok.apply_chat_template(
                 rendered_messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
             )
+        assert isinstance(rendered, str)  # tokenize=False renders text (the declared type covers ids too)
         index = {slot: number for number, slot in enumerate(slots)}
-        pieces: list = []
+        pieces: list[int | tuple[int, ...]] = []
         for piece in re.split("(" + "|".join(re.escape(slot) for slot in slots) + ")", rendered):
             if piece in index:
                 pieces.append(index[piece])

@@ -9,7 +9,15 @@ they captured the eager ones. Why, and why not whole layers: docs/design.md §4.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from app.engine.base import ReadSpec
+    from app.engine.hf.layers import TextLayer
+    from app.engine.hf.runner import DiffusionRunner
 
 log = logging.getLogger("djev.engine")
 
@@ -18,13 +26,14 @@ log = logging.getLogger("djev.engine")
 RECOMPILE_LIMIT = 64
 
 
-def model_layers(model: Any) -> list[Any]:
+def model_layers(model: DiffusionGemmaForBlockDiffusion) -> list[TextLayer]:
     """The prompt encoder's and the decoder's layers of a DiffusionGemma model."""
-    inner = model.model
-    return [*inner.encoder.language_model.layers, *inner.decoder.layers]
+    from app.engine.hf.parts import decoder_layers, encoder_layers
+
+    return [*encoder_layers(model), *decoder_layers(model)]
 
 
-def vision_layers(model: Any) -> list[Any]:
+def vision_layers(model: DiffusionGemmaForBlockDiffusion) -> list[nn.Module]:
     """The vision tower's encoder layers, or none for a model without one."""
     tower = getattr(model.model.encoder, "vision_tower", None)
     encoder = getattr(tower, "encoder", None)
@@ -44,7 +53,7 @@ def configure_thread() -> None:
     config.suppress_errors = True
 
 
-def compile_layers(model: Any, backend: str = "inductor") -> int:
+def compile_layers(model: DiffusionGemmaForBlockDiffusion, backend: str = "inductor") -> int:
     """Give every text layer the split forward with its two pieces compiled (app/engine/hf/layers.py),
     and every vision encoder layer its forward compiled; returns how many text layers. Configures
     the calling thread (`configure_thread`); other threads that run the model must configure
@@ -71,7 +80,7 @@ def compile_layers(model: Any, backend: str = "inductor") -> int:
 WARM_UP_ROWS = (1, 2)
 
 
-def warm_up(runner: Any, canvas_length: int) -> float:
+def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
     """Compile before the first request does: one text read at each of WARM_UP_ROWS batch sizes, through the runner's
     own path, CUDA graphs included, and one read of an image when the runner reads images (the
     vision layers compile there, not on a walker's first frame). Returns the seconds it took (about
@@ -89,7 +98,9 @@ def warm_up(runner: Any, canvas_length: int) -> float:
                           ((0,) * width,), (1,), ((base, base + 1),)) for row in range(count)]
         _read_all(runner, specs)
     if getattr(runner, "image_processor", None) is not None and vision_layers(runner.model):
-        ids = (*range(base, base + 32), int(runner.config.image_token_id))
+        image_id = runner.config.image_token_id
+        assert image_id is not None  # a model with an image processor and a vision tower has an image token
+        ids = (*range(base, base + 32), int(image_id))
         picture = ImageInput(_grey_jpeg(), "image/jpeg", "warm-up")
         _read_all(runner, [ReadSpec(Prompt(ids, (picture,)), ((0,) * width,), (1,), ((base, base + 1),))])
     runner.clear_caches()
@@ -97,7 +108,7 @@ def warm_up(runner: Any, canvas_length: int) -> float:
     return time.perf_counter() - started
 
 
-def _read_all(runner: Any, specs: list) -> None:
+def _read_all(runner: DiffusionRunner, specs: list[ReadSpec]) -> None:
     failed = [result for result in runner.read(specs) if isinstance(result, Exception)]
     if failed:
         raise RuntimeError(f"the warm-up read failed: {failed[0]}")

@@ -16,26 +16,41 @@ keeps each position's nucleus.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from app.engine.base import EngineInputError, GenerateChunk, GenerateResult, GenerateSpec
-from app.engine.hf.prompts import EncodedPrompt, Preprocessed
+from app.engine.base import EngineInputError, GenerateChunk, GenerateResult, GenerateSpec, Prompt
+from app.engine.hf.prompts import EncodedPrompt, Preprocessed, cache_kv
 from app.engine.hf.sampler import sample_step, temperature_at
+
+if TYPE_CHECKING:
+    from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.cache_utils import DynamicCache
+
+    from app.engine.hf.graphs.decoder import DecoderGraphs
 
 
 class GenerationMixin:
     """Generation for DiffusionRunner (which provides the model, the graphs, the stats and the
     prompt encoding these methods use)."""
 
-    model: Any
-    graphs: Any
+    model: DiffusionGemmaForBlockDiffusion
+    graphs: DecoderGraphs | None
     device: torch.device
     vocab_size: int
-    generation: dict
-    stats: Any
+    generation: dict[str, float]
+    stats: Counter[str]
+
+    if TYPE_CHECKING:  # PromptEncodingMixin's and DiffusionRunner's own
+        def _encode_into_cache(self, prompt: Prompt, preprocessed: Preprocessed | None = None) -> tuple[DynamicCache, int]:
+            ...
+
+        def _generator(self, seed: int) -> torch.Generator: ...
+
+        def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     @torch.no_grad()
     def start_generation(
@@ -117,7 +132,7 @@ class GenerationMixin:
         settings = self.generation
         hidden = None
         if self.graphs is not None:  # the read path's decoder graphs, over the generation's own cache
-            context = EncodedPrompt([(layer.keys, layer.values) for layer in gen.cache.layers], gen.length)
+            context = EncodedPrompt(cache_kv(gen.cache), gen.length)
             hidden = self.graphs.hidden([(context, block.canvas[0].tolist())], block.conditioning)
             if hidden is not None:
                 self.stats["graph_replays"] += 1
@@ -175,7 +190,7 @@ class Generation:
 
     spec: GenerateSpec
     canvas_length: int
-    cache: Any  # the prompt's KV, then every committed block's
+    cache: DynamicCache  # the prompt's KV, then every committed block's
     length: int  # tokens in `cache`
     prompt_tokens: int
     generator: torch.Generator

@@ -10,12 +10,28 @@ docs/design.md §4.7 and §5.2.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+from torch import nn
 
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import (
+        DiffusionGemmaDecoderTextAttention,
+        DiffusionGemmaDecoderTextLayer,
+        DiffusionGemmaEncoderTextAttention,
+        DiffusionGemmaEncoderTextLayer,
+    )
 
-def attention_inputs(layer: Any, hidden_states: torch.Tensor, cos: torch.Tensor,
+    # A text layer of the prompt encoder or of the decoder, and its attention module.
+    TextLayer = DiffusionGemmaEncoderTextLayer | DiffusionGemmaDecoderTextLayer
+    TextAttention = DiffusionGemmaEncoderTextAttention | DiffusionGemmaDecoderTextAttention
+
+# A forward as `install` and `install_vision` give it to a layer.
+Forward = Callable[..., torch.Tensor]
+
+def attention_inputs(layer: TextLayer, hidden_states: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries, keys and values [batch, heads, tokens, head_dim] of a layer's attention."""
     from transformers.models.diffusion_gemma.modeling_diffusion_gemma import apply_rotary_pos_emb
@@ -32,7 +48,7 @@ def attention_inputs(layer: Any, hidden_states: torch.Tensor, cos: torch.Tensor,
     return queries, keys, values
 
 
-def feed_forward(layer: Any, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def feed_forward(layer: TextLayer, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """The layer's output from its attention's output [batch, tokens, heads, head_dim] and its input."""
     hidden = layer.self_attn.o_proj(attention_out.reshape(*residual.shape[:-1], -1).contiguous())
     hidden = residual + layer.post_attention_layernorm(hidden)
@@ -46,27 +62,32 @@ def feed_forward(layer: Any, attention_out: torch.Tensor, residual: torch.Tensor
     return hidden * layer.layer_scalar
 
 
-def attend(layer: Any, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           attention_mask: Any, past_key_values: Any, kwargs: dict) -> torch.Tensor:
+def attend(layer: TextLayer, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           attention_mask: torch.Tensor | None, past_key_values: Cache | None, kwargs: dict[str, Any]) -> torch.Tensor:
     """The cache and attention, as the library's attention modules do them."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import eager_attention_forward
+    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import (
+        DiffusionGemmaDecoderTextAttention,
+        eager_attention_forward,
+    )
 
     attention = layer.self_attn
     if past_key_values is not None:
-        if hasattr(attention, "append_to_cache"):  # the decoder reads the prompt's cache, never writes it
+        if isinstance(attention, DiffusionGemmaDecoderTextAttention):  # it reads the prompt's cache, never writes it
             keys, values = attention.append_to_cache(past_key_values, keys, values)
         else:
             keys, values = past_key_values.update(keys, values, attention.layer_idx)
     if uses_grouped_attention(attention, queries, keys, attention_mask):
         return grouped_attention(queries, keys, values, attention_mask, attention.scaling)
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+        attention.config._attn_implementation,  # pyright: ignore[reportArgumentType]  # declared str; None is handled
+        eager_attention_forward)
     out, _ = interface(attention, queries, keys, values, attention_mask, dropout=0.0, scaling=attention.scaling,
                        sliding_window=attention.sliding_window, is_causal=attention.is_causal, **kwargs)
     return out
 
 
-def uses_grouped_attention(attention: Any, queries: torch.Tensor, keys: torch.Tensor, mask: Any) -> bool:
+def uses_grouped_attention(attention: TextAttention, queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether `attend` runs `grouped_attention` instead of the library's SDPA call for this
     attention module and these queries [batch, heads, tokens, dim], keys and mask: SDPA configured,
     query heads sharing KV heads, several query tokens and a mask shared by the heads (the decoder's;
@@ -94,7 +115,7 @@ def grouped_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     return out.reshape(batch, heads, tokens, dim).transpose(1, 2)
 
 
-def install(layers: list[Any], compile: Callable[[Callable], Callable] | None = None) -> None:
+def install(layers: Sequence[TextLayer], compile: Callable[[Callable], Callable] | None = None) -> None:
     """Give each layer the split forward; `compile` wraps the two compiled pieces (None: eager)."""
     inputs = compile(attention_inputs) if compile else attention_inputs
     rest = compile(feed_forward) if compile else feed_forward
@@ -102,28 +123,31 @@ def install(layers: list[Any], compile: Callable[[Callable], Callable] | None = 
         layer.forward = _split_forward(layer, inputs, rest)
 
 
-def _split_forward(layer: Any, inputs: Callable, rest: Callable) -> Callable:
-    def forward(hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
-                position_ids: Any = None, past_key_values: Any = None, **kwargs: Any) -> torch.Tensor:
+def _split_forward(layer: TextLayer, inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                   rest: Callable[..., torch.Tensor]) -> Forward:
+    def forward(hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                past_key_values: Cache | None = None, **kwargs: Any) -> torch.Tensor:
         cos, sin = position_embeddings
         queries, keys, values = inputs(layer, hidden_states, cos, sin)
         out = attend(layer, queries, keys, values, attention_mask, past_key_values,
                      {"position_ids": position_ids, **kwargs})
         return rest(layer, out, hidden_states)
 
-    forward.djev_split = True  # type: ignore[attr-defined]
+    # A marker: Python functions take attributes, typeshed's FunctionType declares none.
+    forward.djev_split = True  # pyright: ignore[reportFunctionMemberAccess]
     return forward
 
 
-def vision_layer(layer: Any, hidden_states: torch.Tensor, position_embeddings: Any, attention_mask: Any,
-                 position_ids: Any) -> torch.Tensor:
+def vision_layer(layer: nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+                 attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> torch.Tensor:
     """A vision encoder layer's own forward, with the layer an argument: compiled once, it serves
     every layer of the tower (a vision layer reads no layer number)."""
     return type(layer).forward(layer, hidden_states, position_embeddings=position_embeddings,
                                attention_mask=attention_mask, position_ids=position_ids)
 
 
-def install_vision(layers: list[Any], compile: Callable[[Callable], Callable] | None = None) -> None:
+def install_vision(layers: Sequence[nn.Module], compile: Callable[[Callable], Callable] | None = None) -> None:
     """Give each vision encoder layer a forward through `vision_layer` (compiled when `compile` is
     given): the tower's norms, rotary and residual kernels fused instead of replayed one by one."""
     body = compile(vision_layer) if compile else vision_layer
@@ -131,10 +155,12 @@ def install_vision(layers: list[Any], compile: Callable[[Callable], Callable] | 
         layer.forward = _vision_forward(layer, body)
 
 
-def _vision_forward(layer: Any, body: Callable) -> Callable:
-    def forward(hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
-                position_ids: Any = None, **kwargs: Any) -> torch.Tensor:
+def _vision_forward(layer: nn.Module, body: Forward) -> Forward:
+    def forward(hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
         return body(layer, hidden_states, position_embeddings, attention_mask, position_ids)
 
-    forward.djev_split = True  # type: ignore[attr-defined]
+    # A marker: Python functions take attributes, typeshed's FunctionType declares none.
+    forward.djev_split = True  # pyright: ignore[reportFunctionMemberAccess]
     return forward

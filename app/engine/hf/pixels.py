@@ -9,10 +9,13 @@ take the split (`splittable`); any other runs whole. Design and numbers: docs/de
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence, TypeGuard
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 @dataclass(frozen=True)
@@ -23,8 +26,34 @@ class Resized:
     counts: tuple[int, ...]  # soft tokens per image
 
 
-def splittable(processor: Any) -> bool:
-    """Whether `processor` follows the recipe above: Gemma 4's resize, rescale, no normalisation."""
+class SplitProcessor(Protocol):
+    """What the split reads of an image processor that follows the recipe (transformers'
+    Gemma4ImageProcessorPil does): its settings and its own conversion and resize."""
+
+    @property
+    def patch_size(self) -> int: ...
+
+    @property
+    def max_soft_tokens(self) -> int: ...
+
+    @property
+    def pooling_kernel_size(self) -> int: ...
+
+    @property
+    def rescale_factor(self) -> float: ...
+
+    @property
+    def resample(self) -> Image.Resampling: ...
+
+    def process_image(self, image: Image.Image, *, do_convert_rgb: bool) -> np.ndarray: ...
+
+    def aspect_ratio_preserving_resize(self, image: np.ndarray, patch_size: int, max_patches: int,
+                                       pooling_kernel_size: int, resample: Image.Resampling) -> np.ndarray: ...
+
+
+def splittable(processor: object) -> TypeGuard[SplitProcessor]:
+    """Whether `processor` (any object) follows the recipe above: Gemma 4's resize, rescale, no
+    normalisation."""
     needed = ("aspect_ratio_preserving_resize", "process_image", "patch_size", "max_soft_tokens",
               "pooling_kernel_size", "rescale_factor", "resample")
     return (all(hasattr(processor, name) for name in needed)
@@ -32,11 +61,11 @@ def splittable(processor: Any) -> bool:
             and not getattr(processor, "do_normalize", True) and getattr(processor, "do_convert_rgb", False))
 
 
-def max_patches(processor: Any) -> int:
+def max_patches(processor: SplitProcessor) -> int:
     return int(processor.max_soft_tokens) * int(processor.pooling_kernel_size) ** 2
 
 
-def resize(processor: Any, pictures: Sequence[Any]) -> Resized:
+def resize(processor: SplitProcessor, pictures: Sequence[Image.Image]) -> Resized:
     """The CPU half (blocking: a worker thread): each RGB PIL image as the processor resizes it."""
     patch, pool = int(processor.patch_size), int(processor.pooling_kernel_size)
     images, counts = [], []
@@ -51,7 +80,7 @@ def resize(processor: Any, pictures: Sequence[Any]) -> Resized:
     return Resized(tuple(images), tuple(counts))
 
 
-def patches(processor: Any, resized: Resized, device: torch.device,
+def patches(processor: SplitProcessor, resized: Resized, device: torch.device,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The device half: (pixel_values [images, max_patches, patch*patch*3] in `dtype`, positions
     [images, max_patches, 2]), as the processor would have made them."""

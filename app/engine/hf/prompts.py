@@ -10,17 +10,30 @@ prompt is preprocessed inline. Design: docs/design.md §4.7.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Generic, Mapping, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
 
+from app.engine.base import CacheKey, EngineInputError, Prompt, decode_images
 from app.engine.hf import pixels
-from app.engine.base import EngineInputError, Prompt, decode_images
+from app.engine.hf.graphs.encoder import Layers, copy_rows
 from app.engine.hf.pixels import Resized
-from app.engine.hf.graphs.encoder import copy_rows
+
+if TYPE_CHECKING:
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig
+    from transformers.cache_utils import Cache, DynamicCache
+    from transformers.image_processing_utils import BaseImageProcessor
+
+    from app.engine.hf.graphs.encoder import EncoderGraphs
+    from app.engine.hf.graphs.vision import VisionGraphs
+
+K = TypeVar("K")
+V = TypeVar("V")
+Found = TypeVar("Found")
+Item = TypeVar("Item")
 
 
 @dataclass
@@ -28,8 +41,22 @@ class EncodedPrompt:
     """A prompt's KV as the decoder reads it: per layer, keys and values of shape [1, heads, n, dim]
     (sliding-window layers keep only their window). Never mutated once stored."""
 
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    layers: Layers
     length: int  # prompt tokens as the model saw them, image soft tokens included
+
+
+def cache_kv(cache: Cache) -> Layers:
+    """Each layer's keys and values in a cache that a pass has filled. The library types a cache's
+    layers as any kind (linear attention, placeholders) and their tensors as optional; a
+    DiffusionGemma pass leaves attention layers holding both (TypeError otherwise)."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    layers: Layers = []
+    for layer in cache.layers:
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+            raise TypeError(f"a cache layer without keys and values: {type(layer).__name__}")
+        layers.append((layer.keys, layer.values))
+    return layers
 
 
 @dataclass(frozen=True)
@@ -49,24 +76,27 @@ class ProcessedImages:
 # Images preprocessed off the engine thread, by the digests of a prompt's images (`Prompt.cache_key[1]`):
 # the result, or the EngineInputError preprocessing raised, raised again on the engine thread for each
 # prompt that holds those images, exactly where inline preprocessing would have raised it.
-Preprocessed = Mapping[tuple, "ProcessedImages | EngineInputError"]
+Preprocessed = Mapping[tuple[str, ...], "ProcessedImages | EngineInputError"]
+
+# A prompt waiting to be encoded: its cache key and the indices of the prompts that have it.
+Pending = tuple[CacheKey, list[int]]
 
 
-class PromptCache:
+class PromptCache(Generic[K, V]):
     """Bounded LRU of encoded prompts: a repeated prompt (the same state, the same question sheet)
-    pays its encoder pass once."""
+    pays its encoder pass once. (Also of image features, and of shared prefixes' KV.)"""
 
     def __init__(self, entries: int) -> None:
         self.entries = entries
-        self._items: OrderedDict[tuple, EncodedPrompt] = OrderedDict()
+        self._items: OrderedDict[K, V] = OrderedDict()
 
-    def get(self, key: tuple) -> EncodedPrompt | None:
+    def get(self, key: K) -> V | None:
         item = self._items.get(key)
         if item is not None:
             self._items.move_to_end(key)
         return item
 
-    def put(self, key: tuple, item: EncodedPrompt) -> None:
+    def put(self, key: K, item: V) -> None:
         if self.entries <= 0:
             return
         self._items[key] = item
@@ -115,7 +145,7 @@ class PrefixIndex:
         self.block = block
         self.minimum = minimum
         self.entries = entries
-        self._seen: OrderedDict[int, tuple] = OrderedDict()
+        self._seen: OrderedDict[int, CacheKey] = OrderedDict()
 
     def hashes(self, ids: Sequence[int]) -> list[int]:
         """The chained hashes of ids[:block], ids[:2 * block], ..., each shorter than `ids`."""
@@ -126,7 +156,7 @@ class PrefixIndex:
             chained.append(value)
         return chained
 
-    def longest(self, hashes: Sequence[int], found: Any) -> tuple[int, Any] | None:
+    def longest(self, hashes: Sequence[int], found: Callable[[int], Found | None]) -> tuple[int, Found] | None:
         """(tokens, what `found` returned) for the longest prefix of at least `minimum` tokens for
         which found(hash) returns something; None for none."""
         for blocks in range(len(hashes), 0, -1):
@@ -137,16 +167,16 @@ class PrefixIndex:
                 return blocks * self.block, hit
         return None
 
-    def seen(self, hashes: Sequence[int], key: tuple) -> tuple[int, tuple] | None:
+    def seen(self, hashes: Sequence[int], key: CacheKey) -> tuple[int, CacheKey] | None:
         """(tokens, cache key) of the longest prefix whose hash another prompt recorded last (one
         `key` itself recorded last is passed over)."""
-        def other(value: int) -> tuple | None:
+        def other(value: int) -> CacheKey | None:
             found = self._seen.get(value)
             return None if found == key else found
 
         return self.longest(hashes, other)
 
-    def record(self, hashes: Sequence[int], key: tuple) -> None:
+    def record(self, hashes: Sequence[int], key: CacheKey) -> None:
         for value in hashes:
             self._seen[value] = key
             self._seen.move_to_end(value)
@@ -163,49 +193,50 @@ class _PrefixGroup:
 
     value: int  # the chained hash of its ids: its key in the prefix LRU
     ids: tuple[int, ...]
-    source: tuple | None  # the cache key of a prompt that begins with it (its KV sliced), or None
-    items: list
+    source: CacheKey | None  # the cache key of a prompt that begins with it (its KV sliced), or None
+    items: list[Pending]
     encoded: EncodedPrompt | None = None
 
 
 class PromptEncodingMixin:
     """Prompt encoding for DiffusionRunner (which provides the model, config, caches and stats)."""
 
-    model: Any
-    config: Any
-    text_config: Any
+    model: DiffusionGemmaForBlockDiffusion
+    config: DiffusionGemmaConfig
+    text_config: DiffusionGemmaTextConfig
     device: torch.device
-    image_processor: Any
+    image_processor: BaseImageProcessor | None
     split_pixels: bool  # images finished on the device (app/engine/hf/pixels.py): CUDA and a Gemma 4 processor
     max_prompt_tokens: int
     max_rows: int
-    prompts: "PromptCache"
-    vision: "PromptCache"
-    prefixes: "PromptCache"  # shared prefixes' (ids, EncodedPrompt), by their chained hash
+    prompts: PromptCache[CacheKey, EncodedPrompt]
+    vision: PromptCache[tuple[str, ...], tuple[list[int], torch.Tensor]]  # images' (soft tokens, features)
+    prefixes: PromptCache[int, tuple[tuple[int, ...], EncodedPrompt]]  # shared prefixes' (ids, KV), by chained hash
     prefix_index: PrefixIndex
-    encoder_graphs: Any
-    vision_graphs: Any
-    stats: Any
-    pad_id: int
-
+    encoder_graphs: EncoderGraphs | None
+    vision_graphs: VisionGraphs | None
+    stats: Counter[str]
+    pad_id: int  # DiffusionRunner's
 
     def preprocess(self, prompt: Prompt) -> ProcessedImages:
         """Decode the prompt's images, convert them to RGB and run the image processor: CPU work that
         touches neither the model's weights nor the caches, so a worker thread may run it while the
         engine thread runs passes. A file that does not decode is a 422 naming its source."""
-        if self.image_processor is None:
+        processor = self.image_processor
+        if processor is None:
             raise EngineInputError("this model has no image processor", status=422, param="images")
         if self.split_pixels:
-            resized = pixels.resize(self.image_processor, decode_images(prompt))
+            assert pixels.splittable(processor)  # split_pixels is set for such a processor only
+            resized = pixels.resize(processor, decode_images(prompt))
             return ProcessedImages(counts=resized.counts, pixel_values=None, image_position_ids=None, resized=resized)
-        processed = self.image_processor(decode_images(prompt), return_tensors="pt")
+        processed = processor(decode_images(prompt), return_tensors="pt")
         return ProcessedImages(
             counts=tuple(int(n) for n in processed["num_soft_tokens_per_image"]),
             pixel_values=processed["pixel_values"].to(self.model.dtype),  # the cast off the engine thread too
             image_position_ids=processed["image_position_ids"],
         )
 
-    def images_cached(self, key: tuple) -> bool:
+    def images_cached(self, key: CacheKey) -> bool:
         """Whether a read of the prompt with this `cache_key` will skip decoding its images: its KV
         or its images' features are in the LRUs (a generation never reuses them). Safe to ask from
         the event loop (see `PromptCache.__contains__`)."""
@@ -239,8 +270,10 @@ class PromptEncodingMixin:
             ids = self._expand_placeholders(ids, list(ready.counts))
             inputs["soft_token_counts"] = torch.tensor(ready.counts)
             if ready.resized is not None:
+                processor = self.image_processor
+                assert pixels.splittable(processor)  # only such a processor resizes (`preprocess`)
                 inputs["pixel_values"], inputs["image_position_ids"] = pixels.patches(
-                    self.image_processor, ready.resized, self.device, self.model.dtype)
+                    processor, ready.resized, self.device, self.model.dtype)
             else:
                 assert ready.pixel_values is not None and ready.image_position_ids is not None
                 inputs["pixel_values"] = ready.pixel_values.to(self.device, self.model.dtype)
@@ -256,13 +289,14 @@ class PromptEncodingMixin:
     def _expand_placeholders(self, ids: list[int], counts: list[int]) -> list[int]:
         """Each image placeholder becomes begin-of-image, its soft tokens, end-of-image."""
         expanded: list[int] = []
-        placeholder = self.config.image_token_id
+        placeholder, begin, end = self.config.image_token_id, self.config.boi_token_id, self.config.eoi_token_id
         images_seen = 0
         for token in ids:
             if token == placeholder and images_seen < len(counts):
-                expanded.append(self.config.boi_token_id)
-                expanded.extend([placeholder] * counts[images_seen])
-                expanded.append(self.config.eoi_token_id)
+                assert begin is not None and end is not None  # a model that reads images has both
+                expanded.append(begin)
+                expanded.extend([token] * counts[images_seen])
+                expanded.append(end)
                 images_seen += 1
             else:
                 expanded.append(token)
@@ -273,7 +307,7 @@ class PromptEncodingMixin:
             )
         return expanded
 
-    def _new_cache(self) -> Any:
+    def _new_cache(self) -> DynamicCache:
         from transformers.cache_utils import DynamicCache
 
         return DynamicCache(config=self.text_config)
@@ -286,7 +320,7 @@ class PromptEncodingMixin:
             raise outcome
         return outcome
 
-    def _encode_into_cache(self, prompt: Prompt, preprocessed: Preprocessed | None = None) -> tuple[Any, int]:
+    def _encode_into_cache(self, prompt: Prompt, preprocessed: Preprocessed | None = None) -> tuple[DynamicCache, int]:
         """The prompt encoded into a fresh cache that generation may extend; (cache, prompt tokens incl.
         images). A text prompt shorter than the sliding window takes the reads' path (the LRU, or an
         encoder graph replay on CUDA) and its KV is loaded into the cache, which then holds exactly
@@ -326,7 +360,7 @@ class PromptEncodingMixin:
         (taken from `preprocessed` where they are there), then share passes like text. A prompt that
         cannot be read gets its exception."""
         results: list[EncodedPrompt | Exception | None] = [None] * len(prompts)
-        pending: dict[tuple, list[int]] = {}
+        pending: dict[CacheKey, list[int]] = {}
         for index, prompt in enumerate(prompts):
             key = prompt.cache_key
             cached = self.prompts.get(key)
@@ -346,7 +380,7 @@ class PromptEncodingMixin:
             rows = [list(key[0]) for key, _ in batch]
             self._store(batch, self._encode_ids(rows), [len(ids) for ids in rows], results)
         self._encode_over_prefixes(groups, results)
-        embedded: list[tuple[tuple, list[int]]] = []
+        embedded: list[Pending] = []
         expanded: list[dict[str, torch.Tensor]] = []
         for key, indices in images:
             try:
@@ -362,16 +396,18 @@ class PromptEncodingMixin:
             rows = [embeds[i] for _, i in batch]
             self._store([item for item, _ in batch], self._encode_embeds(rows), [int(r.shape[0]) for r in rows],
                         results)
-        return results  # type: ignore[return-value]
+        outcomes = [result for result in results if result is not None]
+        assert len(outcomes) == len(results), "every prompt has its KV or its exception"
+        return outcomes
 
-    def _prompt_batches(self, items: list, lengths: list[int], prefix: int = 0) -> list[list]:
+    def _prompt_batches(self, items: list[Item], lengths: list[int], prefix: int = 0) -> list[list[Item]]:
         """`items` grouped into encoder passes, shortest first: a pass holds at most `max_rows` rows and
         `max_prompt_tokens` padded tokens, and, with encoder graphs, stays inside one graph bucket
         whenever the prompts alone fit one. With a shared `prefix` (tokens), `lengths` are what
         follows it, and the padded-token cap counts those only."""
         graphs = self.encoder_graphs
-        batches: list[list] = []
-        batch: list = []
+        batches: list[list[Item]] = []
+        batch: list[Item] = []
         longest = 0
         for item, length in sorted(zip(items, lengths), key=lambda pair: pair[1]):
             grown = max(longest, length)
@@ -389,7 +425,7 @@ class PromptEncodingMixin:
 
     # ------------------------------------------------------------------ shared prefixes
 
-    def _by_prefix(self, text: list[tuple[tuple, list[int]]]) -> tuple[list, list[_PrefixGroup]]:
+    def _by_prefix(self, text: list[Pending]) -> tuple[list[Pending], list[_PrefixGroup]]:
         """The text prompts to encode split into those encoded whole and groups over a shared prefix:
         the longest in the prefix LRU, or the longest another prompt began with (PREFIX_MIN tokens or
         more) where there is none or it is longer by PREFIX_MIN tokens or more (so the prompts of a
@@ -399,7 +435,7 @@ class PromptEncodingMixin:
         graphs = self.encoder_graphs
         if graphs is None or graphs.disabled is not None or self.prefixes.entries <= 0:
             return text, []
-        whole: list = []
+        whole: list[Pending] = []
         groups: dict[int, _PrefixGroup] = {}
         for item in text:
             key = item[0]
@@ -410,12 +446,17 @@ class PromptEncodingMixin:
             self.prefix_index.record(hashes, key)
             if seen is not None and cached is not None and seen[0] - cached[0] < self.prefix_index.minimum:
                 seen = None  # a new, longer prefix only where it saves as much again: one group a sheet
-            candidates = [(chosen, chosen is seen) for chosen in (seen, cached) if chosen is not None]
+            # (tokens, the prompt a new prefix is sliced from, a cached prefix's KV): seen, then cached
+            candidates: list[tuple[int, CacheKey | None, EncodedPrompt | None]] = []
+            if seen is not None:
+                candidates.append((seen[0], seen[1], None))
+            if cached is not None:
+                candidates.append((cached[0], None, cached[1]))
             group = None
-            for (length, found), new in candidates:
+            for length, source, encoded in candidates:
                 if graphs.fits(1, len(ids) - length, length):
                     group = self._join(groups, hashes[length // self.prefix_index.block - 1], ids[:length],
-                                       found, new)
+                                       source, encoded)
                     break
             if group is None:
                 whole.append(item)
@@ -424,15 +465,15 @@ class PromptEncodingMixin:
         return whole, list(groups.values())
 
     @staticmethod
-    def _join(groups: dict[int, _PrefixGroup], value: int, ids: tuple[int, ...], found: Any,
-              new: bool) -> _PrefixGroup | None:
+    def _join(groups: dict[int, _PrefixGroup], value: int, ids: tuple[int, ...], source: CacheKey | None,
+              encoded: EncodedPrompt | None) -> _PrefixGroup | None:
         """The group of the prefix `ids` (its chained hash `value`), made on first use: a new prefix
-        names the prompt it is sliced from (`found` is its cache key), a cached one brings its KV.
-        None where another prefix holds the hash (a collision): that prompt is encoded whole."""
+        names the prompt it is sliced from (`source`, its cache key), a cached one brings its KV
+        (`encoded`). None where another prefix holds the hash (a collision): that prompt is encoded
+        whole."""
         group = groups.get(value)
         if group is None:
-            group = groups[value] = _PrefixGroup(value=value, ids=ids, items=[], source=found if new else None,
-                                                 encoded=None if new else found)
+            group = groups[value] = _PrefixGroup(value=value, ids=ids, items=[], source=source, encoded=encoded)
         return group if group.ids == ids else None
 
     def _cached_prefix(self, value: int, ids: tuple[int, ...]) -> EncodedPrompt | None:
@@ -441,7 +482,7 @@ class PromptEncodingMixin:
             return None
         return entry[1]
 
-    def _encode_over_prefixes(self, groups: list[_PrefixGroup], results: list) -> None:
+    def _encode_over_prefixes(self, groups: list[_PrefixGroup], results: list[EncodedPrompt | Exception | None]) -> None:
         """Each group's prefix KV (cached, sliced from the prompt that began with it, or encoded),
         then its prompts' suffixes in passes over it; a batch the static path turns down is encoded
         whole."""
@@ -451,7 +492,7 @@ class PromptEncodingMixin:
                 self.prefixes.put(group.value, (group.ids, group.encoded))
             length = len(group.ids)
             items = group.items
-            refused: list = []
+            refused: list[Pending] = []
             for batch in self._prompt_batches(items, [len(key[0]) - length for key, _ in items], length):
                 rows = [list(key[0][length:]) for key, _ in batch]
                 layers = self._static_pass(rows, group.encoded)
@@ -469,24 +510,27 @@ class PromptEncodingMixin:
         prompt's KV is in the LRU whole (no sliding layer cropped) and its ids do begin with the
         prefix (a hash names it), else one pass of its own."""
         length = len(group.ids)
-        source = self.prompts.get(group.source) if group.source is not None else None
-        if (source is not None and source.length < int(self.text_config.sliding_window)
-                and group.source[0][:length] == group.ids):
+        key = group.source
+        source = self.prompts.get(key) if key is not None else None
+        if (key is not None and source is not None and source.length < int(self.text_config.sliding_window)
+                and key[0][:length] == group.ids):
             self.stats["prefixes_sliced"] += 1
             layers = [(keys[:, :, :length], values[:, :, :length]) for keys, values in source.layers]
             return EncodedPrompt(copy_rows([layers])[0], length)
         self.stats["prefixes_encoded"] += 1
         return EncodedPrompt(self._encode_ids([list(group.ids)])[0], length)
 
-    def _static_pass(self, rows: list[list[int]], prefix: EncodedPrompt | None = None) -> list | None:
+    def _static_pass(self, rows: list[list[int]], prefix: EncodedPrompt | None = None) -> list[Layers] | None:
         """Each row's KV from one pass on the encoder graphs' static path (with `prefix`, the rows are
         its suffixes and each row's KV is the whole prompt's); None where the path turns it down."""
-        if self.encoder_graphs is None:
+        graphs = self.encoder_graphs
+        if graphs is None:
             return None
-        return self._counted(self.encoder_graphs.encode_ids(
+        return self._counted(graphs, graphs.encode_ids(
             rows, self.pad_id, prefix=(prefix.layers, prefix.length) if prefix else None))
 
-    def _store(self, batch: list[tuple[tuple, list[int]]], layers: list, lengths: list[int], results: list) -> None:
+    def _store(self, batch: list[Pending], layers: list[Layers], lengths: list[int],
+               results: list[EncodedPrompt | Exception | None]) -> None:
         self.stats["kv_misses"] += len(batch)
         for (key, indices), row_layers, length in zip(batch, layers, lengths):
             encoded = EncodedPrompt(row_layers, length)
@@ -494,12 +538,12 @@ class PromptEncodingMixin:
             for index in indices:
                 results[index] = encoded
 
-    def _image_features(self, expanded: list[dict[str, torch.Tensor]], digests: list[tuple]) -> None:
+    def _image_features(self, expanded: list[dict[str, torch.Tensor]], digests: list[tuple[str, ...]]) -> None:
         """Vision features for every prompt that needs them (sets `image_features`): the images of
         all those prompts go through the vision tower together, one pass per patch layout (frames
         of the same size from any number of camera sessions share it), replayed as a CUDA graph
         where one is held; new features go into the vision LRU."""
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[tuple[int, ...], list[int]] = {}
         for number, inputs in enumerate(expanded):
             if "pixel_values" in inputs and "image_features" not in inputs:
                 groups.setdefault(tuple(inputs["pixel_values"].shape[1:]), []).append(number)
@@ -509,7 +553,10 @@ class PromptEncodingMixin:
             positions = torch.cat([expanded[n]["image_position_ids"] for n in members])
             features = self.vision_graphs.features(pixels, positions) if self.vision_graphs is not None else None
             if features is None:
-                features = encoder.get_image_features(pixels, positions, return_dict=True).pooler_output
+                # @can_return_tuple takes return_dict; the signature it passes on does not say so.
+                output = encoder.get_image_features(pixels, positions, return_dict=True)  # pyright: ignore[reportCallIssue]
+                features = output.pooler_output
+                assert features is not None  # the tower's pooled features (ModelOutput declares every field optional)
             else:
                 self.stats["vision_graph_replays"] += 1
             self.stats["vision_passes"] += 1
@@ -534,7 +581,7 @@ class PromptEncodingMixin:
             embeds = embeds.masked_scatter(mask, features.to(embeds.dtype))
         return embeds[0]
 
-    def _encode_ids(self, rows: list[list[int]]) -> list:
+    def _encode_ids(self, rows: list[list[int]]) -> list[Layers]:
         """Each row's KV layers: one pass on the encoder graphs' static path, or one eager
         left-padded encoder pass."""
         replayed = self._static_pass(rows)
@@ -544,9 +591,10 @@ class PromptEncodingMixin:
         embeds = self.model.model.encoder.get_input_embeddings()(self._left_padded(rows))
         return self._encode_eager(embeds, [len(ids) for ids in rows])
 
-    def _encode_embeds(self, rows: list[torch.Tensor]) -> list:
-        if self.encoder_graphs is not None:
-            replayed = self._counted(self.encoder_graphs.encode_embeds(rows))
+    def _encode_embeds(self, rows: list[torch.Tensor]) -> list[Layers]:
+        graphs = self.encoder_graphs
+        if graphs is not None:
+            replayed = self._counted(graphs, graphs.encode_embeds(rows))
             if replayed is not None:
                 return replayed
         self.stats["encoder_passes"] += 1
@@ -555,12 +603,12 @@ class PromptEncodingMixin:
         embeds = torch.stack([F.pad(row, (0, 0, longest - row.shape[0], 0)) for row in rows])
         return self._encode_eager(embeds, lengths)
 
-    def _counted(self, replayed: list | None) -> list | None:
+    def _counted(self, graphs: EncoderGraphs, replayed: list[Layers] | None) -> list[Layers] | None:
         """`replayed` as it is, a pass on the encoder graphs' static path counted where there was one:
         a replay, or a large batch's ungraphed pass."""
         if replayed is not None:
             self.stats["encoder_passes"] += 1
-            graphed = self.encoder_graphs.last_graphed
+            graphed = graphs.last_graphed
             self.stats["encoder_graph_replays" if graphed else "encoder_unbucketed_passes"] += 1
         return replayed
 
@@ -569,7 +617,7 @@ class PromptEncodingMixin:
         pad = self.pad_id
         return torch.tensor([[pad] * (longest - len(ids)) + ids for ids in rows], device=self.device)
 
-    def _encode_eager(self, embeds: torch.Tensor, lengths: list[int]) -> list:
+    def _encode_eager(self, embeds: torch.Tensor, lengths: list[int]) -> list[Layers]:
         """The eager encoder pass over left-padded embeddings; each row's layers, left padding dropped."""
         longest = int(embeds.shape[1])
         attention = None  # no padding: no mask, so SDPA runs its causal kernels (a mask is ~4x slower at 8k)
@@ -580,12 +628,13 @@ class PromptEncodingMixin:
         cache = self._new_cache()
         self.model.model.encoder.language_model(inputs_embeds=embeds, attention_mask=attention,
                                                 position_ids=positions, past_key_values=cache)
-        rows = []
+        filled = cache_kv(cache)
+        rows: list[Layers] = []
         for row, length in enumerate(lengths):
-            layers = []
-            for layer in cache.layers:
-                start = max(0, layer.keys.shape[2] - length)  # drop the left padding this layer still holds
-                layers.append((layer.keys[row:row + 1, :, start:], layer.values[row:row + 1, :, start:]))
+            layers: Layers = []
+            for keys, values in filled:
+                start = max(0, keys.shape[2] - length)  # drop the left padding this layer still holds
+                layers.append((keys[row:row + 1, :, start:], values[row:row + 1, :, start:]))
             rows.append(layers)
         return copy_rows(rows)  # laid out as the encoder graphs leave KV (prompt_graphs.py)
 

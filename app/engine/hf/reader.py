@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from app.engine.base import (
+    CacheKey,
+    ChatTokenizer,
     EngineError,
     EngineInputError,
     EngineUnavailable,
@@ -42,7 +44,11 @@ from app.engine.base import (
 )
 
 if TYPE_CHECKING:
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from app.engine.hf.generation import Generation
     from app.engine.hf.prompts import Preprocessed, ProcessedImages
+    from app.engine.hf.runner import DiffusionRunner
 
 
 log = logging.getLogger("djev.engine")
@@ -85,7 +91,7 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def built_count(runner: Any) -> int:
+def built_count(runner: DiffusionRunner) -> int:
     """CUDA graphs the runner has captured plus graphs torch.compile has built, so far: both leave
     long-lived objects behind (hundreds of thousands for a compile), which `settle_heap` should set
     aside again, or every full pass of the collector walks them (150-200 ms pauses measured on the
@@ -104,6 +110,7 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
     import torch
     from transformers import AutoImageProcessor, AutoTokenizer, DiffusionGemmaForBlockDiffusion
 
+    from app.engine.hf.parts import text_config
     from app.engine.hf.runner import DiffusionRunner
     from app.engine.tokenizer import HFChatTokenizer
 
@@ -118,7 +125,9 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
         # The eager loop over experts is 13x slower on an H200 (docs/design.md §4.2).
         kwargs["experts_implementation"] = "grouped_mm"
     log.info("loading %s on %s (%s)", path, device_name, kwargs["dtype"])
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), **kwargs).to(device).eval()
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), **kwargs)
+    # PreTrainedModel.to is functools.wraps(nn.Module.to); typeshed's wraps result binds no self.
+    model = model.to(device).eval()  # pyright: ignore[reportArgumentType]
     if options.fused_moe and on_cuda:
         from app.engine.hf.moe.fused import use_fused_experts
 
@@ -138,8 +147,10 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
     except Exception as exc:  # noqa: BLE001 - a checkpoint without an image processor still reads text
         log.warning("no image processor in %s (%s): image states will be refused", path, exc)
         image_processor = None
+    image_token_id = model.config.image_token_id
+    assert image_token_id is not None, "the checkpoint's config names no image token"
     tokenizer = HFChatTokenizer(
-        hf_tokenizer, vocab_size=int(model.config.text_config.vocab_size), image_token_id=int(model.config.image_token_id)
+        hf_tokenizer, vocab_size=int(text_config(model).vocab_size), image_token_id=int(image_token_id)
     )
     runner = DiffusionRunner(
         model,
@@ -170,9 +181,9 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
     return HFReader(runner, tokenizer, info, options)
 
 
-def _generation_settings(model: Any) -> dict:
+def _generation_settings(model: DiffusionGemmaForBlockDiffusion) -> dict[str, float]:
     config = getattr(model, "generation_config", None)
-    settings: dict = {}
+    settings: dict[str, float] = {}
     for name in ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold"):
         value = getattr(config, name, None)
         if value is not None:
@@ -184,14 +195,14 @@ def _generation_settings(model: Any) -> dict:
     return settings
 
 
-def _cache_keys(prompts: Sequence[Prompt]) -> list[tuple]:
+def _cache_keys(prompts: Sequence[Prompt]) -> list[CacheKey]:
     return [prompt.cache_key for prompt in prompts]
 
 
 class _ReadJob:
     """Reads of one caller, waiting for a batch, with their images preprocessed."""
 
-    def __init__(self, specs: list[ReadSpec], future: asyncio.Future, images: Preprocessed) -> None:
+    def __init__(self, specs: list[ReadSpec], future: asyncio.Future[list[ReadResult]], images: Preprocessed) -> None:
         self.specs = specs
         self.future = future
         self.rows = sum(len(spec.canvases) for spec in specs)
@@ -209,7 +220,7 @@ class _GenerateJob:
         self.spec = spec
         self.images = images  # for its first pass (the prompt's encoding)
         self.chunks: asyncio.Queue[GenerateChunk | BaseException] = asyncio.Queue()
-        self.state: Any = None  # the runner's Generation, once its prompt is encoded
+        self.state: Generation | None = None  # the runner's Generation, once its prompt is encoded
         self.cancelled = False
 
     @property
@@ -238,14 +249,14 @@ class HFReader:
     image_workers = min(4, os.cpu_count() or 1)
     image_budget = 64
 
-    def __init__(self, runner: Any, tokenizer: Any, info: ReaderInfo, options: HFOptions) -> None:
+    def __init__(self, runner: DiffusionRunner, tokenizer: ChatTokenizer, info: ReaderInfo, options: HFOptions) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.info = info
         self.options = options
         self._queue: deque[_Job] = deque()
         self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._busy = False  # the last read batch served several callers, or more were waiting
@@ -439,7 +450,8 @@ class HFReader:
                     continue
                 if rows + nxt.rows > self.options.max_batch_rows:
                     break
-                batch.append(self._queue.popleft())
+                self._queue.popleft()
+                batch.append(nxt)
                 rows += nxt.rows
             await self._read_batch(loop, batch)
 
@@ -481,7 +493,7 @@ class HFReader:
         self._busy = len(batch) > 1 or bool(self._queue)
         self._last_rows = sum(job.rows for job in batch)
         specs = [spec for job in batch for spec in job.specs]
-        images: dict[tuple, Any] = {}
+        images: dict[tuple[str, ...], ProcessedImages | EngineInputError] = {}
         for job in batch:
             images.update(self._release(job))
         try:
@@ -511,7 +523,7 @@ class HFReader:
             if failure is not None:
                 job.future.set_exception(failure)
             else:
-                job.future.set_result(mine)
+                job.future.set_result([r for r in mine if not isinstance(r, Exception)])  # all of them
 
     async def _generation_turn(self, loop: asyncio.AbstractEventLoop, job: _GenerateJob) -> None:
         """One model pass of a generation (its prompt encoding is the first), then back in line."""

@@ -17,27 +17,32 @@ slots, so a 262k-token vocabulary costs rows x slots, not rows x canvas width.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from app.engine.base import ReadResult, ReadSpec, SlotRead
 from app.engine.hf.generation import GenerationMixin
+from app.engine.hf.parts import layer_types, text_config
 from app.engine.hf.pixels import splittable
 from app.engine.hf.prompts import (
-    EncodedPrompt,
-    Preprocessed,
     PREFIX_ENTRIES,
+    EncodedPrompt,
     PrefixIndex,
+    Preprocessed,
     PromptCache,
     PromptEncodingMixin,
 )
 from app.engine.hf.sampler import sample_step, softcap, temperature_at
 
+if TYPE_CHECKING:
+    from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.image_processing_utils import BaseImageProcessor
+
 # HF's sampler defaults for DiffusionGemma (DiffusionGemmaGenerationConfig._get_default_generation_params);
 # a checkpoint's generation_config.json overrides them.
-GENERATION_DEFAULTS = {
+GENERATION_DEFAULTS: dict[str, float] = {
     "max_denoising_steps": 48,
     "t_min": 0.4,
     "t_max": 0.8,
@@ -55,14 +60,14 @@ SLOT_CHUNK = 256
 class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
     def __init__(
         self,
-        model: Any,
-        image_processor: Any,
+        model: DiffusionGemmaForBlockDiffusion,
+        image_processor: BaseImageProcessor | None,
         *,
         device: torch.device,
         max_prompt_tokens: int,
         kv_entries: int,
         max_rows: int,
-        generation: dict | None = None,
+        generation: dict[str, float] | None = None,
         cuda_graphs: bool = False,
     ) -> None:
         self.model = model
@@ -70,8 +75,8 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self.device = device
         self.split_pixels = device.type == "cuda" and image_processor is not None and splittable(image_processor)
         self.config = model.config
-        self.text_config = model.config.text_config
-        self.layer_types: list[str] = list(self.text_config.layer_types)
+        self.text_config = text_config(model)
+        self.layer_types = layer_types(model)
         self.softcap = getattr(self.text_config, "final_logit_softcapping", None)
         self.vocab_size = int(self.text_config.vocab_size)
         self.max_prompt_tokens = max_prompt_tokens
@@ -206,7 +211,9 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
                     prompt_tokens=encoded[index].length,
                 )
         self.stats["reads"] += len(specs)
-        return results  # type: ignore[return-value]
+        outcomes = [result for result in results if result is not None]
+        assert len(outcomes) == len(results), "every read has its result or its exception"
+        return outcomes
 
     def _read_rows(
         self,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import re
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -82,7 +83,7 @@ class ChatFormer:
         self._skeletons: dict[tuple, tuple[str | int, ...] | None] = {}
 
     @property
-    def lock(self) -> Any:
+    def lock(self) -> threading.RLock:
         """The HFChatTokenizer's lock, which serialises the wrapper they share."""
         return self.tokenizer.lock
 
@@ -97,7 +98,7 @@ class ChatFormer:
 
     def form(self, prompt: Prompt) -> ChatForm:
         ids = list(prompt.ids)
-        turns: list[tuple[str, list]] = []
+        turns: list[tuple[tuple[str, list], bool]] = []  # ((role, parts), closed)
         opens = [i for i, token in enumerate(ids) if token == self.turn_open]
         if not opens:
             raise self._refuse("it has no chat turns")
@@ -109,7 +110,7 @@ class ChatFormer:
                 body = body[:body.index(self.turn_close)]
             elif index + 1 < len(opens):
                 raise self._refuse("a turn is never closed")
-            turns.append((self._role_and_parts(body), closed))  # type: ignore[arg-type]
+            turns.append((self._role_and_parts(body), closed))
         (last_role, last_parts), last_closed = turns[-1]
         if last_closed or last_role != "model":
             raise self._refuse("it does not end in the model's turn")
@@ -120,7 +121,7 @@ class ChatFormer:
                 thinking = True
                 parts = [parts[0][len(self.think_marker):], *parts[1:]]
             if IMAGE_PART in parts:
-                content: Any = [part for part in parts if part != ""]
+                content: str | list[str] = [part for part in parts if part != ""]
             else:
                 content = "".join(parts)
             if role == "system" and content == "" and thinking:
@@ -214,10 +215,12 @@ class ChatFormer:
                            for part in content]
             messages.append({"role": message["role"], "content": content})
         with self.lock:
-            return self.raw.apply_chat_template(
+            rendered = self.raw.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=not form.continue_final,
                 continue_final_message=form.continue_final, enable_thinking=form.thinking,
             )
+        assert isinstance(rendered, str)  # tokenize=False renders text (the declared type covers ids too)
+        return rendered
 
     @staticmethod
     def _refuse(why: str) -> EngineInputError:

@@ -12,19 +12,28 @@ from __future__ import annotations
 
 import json
 from argparse import Namespace
-from typing import Any, AsyncIterator
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from app.engine.base import EngineError, RelayedResponse
 
+if TYPE_CHECKING:
+    from vllm.engine.protocol import EngineClient  # pyright: ignore[reportMissingImports]  # optional: vLLM
+    from vllm.entrypoints.openai.chat_completion.serving import (  # pyright: ignore[reportMissingImports]  # optional: vLLM
+        OpenAIServingChat,
+    )
+
 
 class InProcessChat:
-    def __init__(self, serving_chat: Any) -> None:
+    def __init__(self, serving_chat: OpenAIServingChat) -> None:
         self.serving_chat = serving_chat
 
     @classmethod
-    async def build(cls, engine: Any, args: Namespace) -> "InProcessChat":
+    async def build(cls, engine: EngineClient, args: Namespace) -> "InProcessChat":
         from starlette.datastructures import State
-        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.app_state import (  # pyright: ignore[reportMissingImports]  # optional: vLLM
+            init_app_state,
+        )
 
         state = State()
         tasks = await engine.get_supported_tasks()
@@ -36,7 +45,10 @@ class InProcessChat:
 
     async def relay(self, body: dict) -> RelayedResponse:
         from pydantic import ValidationError
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
+        from vllm.entrypoints.openai.chat_completion.protocol import (  # pyright: ignore[reportMissingImports]  # optional: vLLM
+            ChatCompletionRequest,
+            ChatCompletionResponse,
+        )
 
         try:
             request = ChatCompletionRequest.model_validate(body)
@@ -47,9 +59,8 @@ class InProcessChat:
         answer = await self.serving_chat.create_chat_completion(request, None)
         if isinstance(answer, ChatCompletionResponse):
             return RelayedResponse(status=200, media_type="application/json", body=answer.model_dump_json().encode())
-        error = getattr(answer, "error", None)
-        if error is not None:  # vLLM's ErrorResponse
-            return RelayedResponse(status=int(getattr(error, "code", 400) or 400), media_type="application/json",
+        if not isinstance(answer, AsyncGenerator):  # vLLM's ErrorResponse
+            return RelayedResponse(status=int(answer.error.code or 400), media_type="application/json",
                                    body=answer.model_dump_json().encode())
         return RelayedResponse(status=200, media_type="text/event-stream", chunks=_encoded(answer))
 

@@ -18,9 +18,10 @@ import shlex
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from app.engine.base import (
+    ChatTokenizer,
     EngineError,
     EngineInputError,
     EngineUnavailable,
@@ -49,6 +50,11 @@ from app.engine.vllm.wire import (
     read_extra_args,
     read_results,
 )
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams  # pyright: ignore[reportMissingImports]  # optional: vLLM
+    from vllm.inputs import TokensPrompt  # pyright: ignore[reportMissingImports]  # optional: vLLM
+    from vllm.v1.engine.async_llm import AsyncLLM  # pyright: ignore[reportMissingImports]  # optional: vLLM
 
 log = logging.getLogger("djev.engine")
 
@@ -114,7 +120,7 @@ def load_vllm_reader(checkpoint: str | Path, options: VLLMOptions) -> "VLLMReade
     """The engine over a local checkpoint; vLLM itself starts in `start()`. ImportError with what to
     install when vLLM is missing."""
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401  # pyright: ignore[reportMissingImports]  # optional: vLLM
     except ImportError as exc:
         raise ImportError(f"{VLLM_MISSING} ({exc})") from None
     path = Path(checkpoint)
@@ -128,14 +134,15 @@ def load_vllm_reader(checkpoint: str | Path, options: VLLMOptions) -> "VLLMReade
 class VLLMReader:
     stat_gauges = ("logprob_id_cap", "window_verified")  # levels, not counts (for /metrics)
 
-    def __init__(self, checkpoint: Path, tokenizer: Any, info: ReaderInfo, options: VLLMOptions, window: int) -> None:
+    def __init__(self, checkpoint: Path, tokenizer: ChatTokenizer, info: ReaderInfo, options: VLLMOptions,
+                 window: int) -> None:
         self.checkpoint = checkpoint
         self.tokenizer = tokenizer
         self.info = info
         self.options = options
         self.sliding_window = window
         self.counts: Counter[str] = Counter()
-        self._engine: Any = None
+        self._engine: AsyncLLM | None = None
         self._ids = itertools.count()
         self._logprob_cap = STOCK_LOGPROB_ID_CAP
         # Whether djev_vllm_patch anchors the canvas window on every attention backend seen (set at
@@ -169,10 +176,10 @@ class VLLMReader:
             import torch
 
             torch.cuda.set_per_process_memory_fraction(self.options.torch_mem_fraction)
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.engine.arg_utils import AsyncEngineArgs  # pyright: ignore[reportMissingImports]  # optional: vLLM
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser  # pyright: ignore[reportMissingImports]  # optional: vLLM
+        from vllm.utils.argparse_utils import FlexibleArgumentParser  # pyright: ignore[reportMissingImports]  # optional: vLLM
+        from vllm.v1.engine.async_llm import AsyncLLM  # pyright: ignore[reportMissingImports]  # optional: vLLM
 
         # vLLM's server parser (the engine's flags and the OpenAI serving's), so EXTRA_ARGS takes
         # anything `vllm serve` takes and the in-process chat serving is set up like vLLM's own.
@@ -180,6 +187,7 @@ class VLLMReader:
         argv = engine_argv(self.checkpoint, self.options, on_gpu)
         log.info("starting vLLM in process: %s", shlex.join(argv))
         args = parser.parse_args(argv)
+        assert args is not None  # vLLM's parse_args() returns argparse's Namespace (it leaves itself unannotated)
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
         try:
             self._chat = await InProcessChat.build(self._engine, args)
@@ -211,7 +219,7 @@ class VLLMReader:
     def _on_gpu(self) -> bool:
         if self.options.device == "cpu":
             return False
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]  # optional: vLLM
 
         return bool(current_platform.is_cuda_alike())
 
@@ -250,10 +258,10 @@ class VLLMReader:
                     "djev_vllm_patch has not verified: its slot probabilities may differ from the hf engine's",
                     tokens, self.sliding_window)
 
-    async def _read_canvas(self, engine: Any, spec: ReadSpec, prompt: dict, canvas: tuple[int, ...],
+    async def _read_canvas(self, engine: AsyncLLM, spec: ReadSpec, prompt: TokensPrompt, canvas: tuple[int, ...],
                            groups: Sequence[tuple[int, ...]], slots: frozenset[int]) -> CanvasAnswer:
         """One canvas, one request per group of label ids (`label_id_groups`), answers merged."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # pyright: ignore[reportMissingImports]  # optional: vLLM
 
         parts = []
         for ids in groups:
@@ -262,7 +270,8 @@ class VLLMReader:
             parts.append(self._final(engine, prompt, params, slots))
         return merge_answers(await gather_or_cancel(parts))
 
-    async def _final(self, engine: Any, prompt: dict, params: Any, slots: frozenset[int]) -> CanvasAnswer:
+    async def _final(self, engine: AsyncLLM, prompt: TokensPrompt, params: SamplingParams,
+                     slots: frozenset[int]) -> CanvasAnswer:
         """One request's answer; only the `slots` positions' logprobs are converted (the rest stay
         empty: nothing reads them), on the event loop, for every canvas."""
         final = None
@@ -272,14 +281,21 @@ class VLLMReader:
         except Exception as exc:  # noqa: BLE001 - every vLLM failure becomes the contract's error
             raise engine_error("the read", exc) from None
         self.counts["requests"] += 1
-        if final is None or not final.outputs or final.outputs[0].logprobs is None:
+        output = final.outputs[0] if final is not None and final.outputs else None
+        logprobs = output.logprobs if output is not None else None
+        if final is None or output is None or logprobs is None:
             raise EngineError("vLLM returned no logprobs for a read")
-        output = final.outputs[0]
-        maps = [{int(token): float(entry.logprob) for token, entry in position.items()} if index in slots else {}
-                for index, position in enumerate(output.logprobs)]
+        maps: list[dict[int, float]] = []
+        for index, position in enumerate(logprobs):
+            if index not in slots:
+                maps.append({})
+            elif position is None:  # vLLM types a position's logprobs as optional
+                raise EngineError(f"vLLM returned no logprobs at slot {index} of a read")
+            else:
+                maps.append({int(token): float(entry.logprob) for token, entry in position.items()})
         return CanvasAnswer(maps, [int(t) for t in output.token_ids], len(final.prompt_token_ids or ()))
 
-    async def _engine_input(self, prompt: Prompt, width: int) -> dict:
+    async def _engine_input(self, prompt: Prompt, width: int) -> TokensPrompt:
         """vLLM's input for a prompt; a prompt past MAX_PROMPT_TOKENS, or one that leaves no room for
         the canvas within MAX_MODEL_LEN, is the client's (400), not vLLM's failure."""
         limit = min(self.options.max_prompt_tokens, self.options.max_model_len - max(width, 1))
@@ -288,15 +304,16 @@ class VLLMReader:
                 f"the prompt is {len(prompt.ids)} tokens; this server reads at most {limit} "
                 f"(MAX_PROMPT_TOKENS {self.options.max_prompt_tokens}, MAX_MODEL_LEN {self.options.max_model_len} "
                 f"less the canvas)", status=400, param="state", error_type="max_tokens_exceeded")
-        engine_input: dict[str, Any] = {"prompt_token_ids": list(prompt.ids)}
+        engine_input: TokensPrompt = {"prompt_token_ids": list(prompt.ids)}
         if prompt.images:
             engine_input["multi_modal_data"] = {"image": await asyncio.to_thread(decode_images, prompt)}
         return engine_input
 
-    def _running(self) -> Any:
-        if not self.ready:
+    def _running(self) -> AsyncLLM:
+        engine = self._engine
+        if engine is None or not self.ready:
             raise EngineUnavailable("the engine is not running")
-        return self._engine
+        return engine
 
     # ------------------------------------------------------------------ raw chat
 
@@ -318,8 +335,8 @@ class VLLMReader:
     async def stream(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
         """vLLM's block diffusion; each chunk is what vLLM committed since the last. The seed is not
         sent (vLLM refuses per-request seeds for diffusion models)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm import SamplingParams  # pyright: ignore[reportMissingImports]  # optional: vLLM
+        from vllm.sampling_params import RequestOutputKind  # pyright: ignore[reportMissingImports]  # optional: vLLM
 
         engine = self._running()
         if spec.temperature != 1.0:

@@ -20,11 +20,12 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence, TypeVar
 
 import httpx
 
 from app.engine.base import (
+    ChatTokenizer,
     EngineError,
     EngineInputError,
     GenerateChunk,
@@ -39,8 +40,8 @@ from app.engine.base import (
     describe,
     gather_or_cancel,
 )
-from app.engine.vllm.upstreams import Failed, Upstream, UpstreamPool
 from app.engine.vllm.chat import ChatFormer
+from app.engine.vllm.upstreams import Failed, Upstream, UpstreamPool
 from app.engine.vllm.wire import (
     STOCK_LOGPROB_ID_CAP,
     CanvasAnswer,
@@ -57,6 +58,9 @@ from app.engine.vllm.wire import (
     parse_completion_read,
     read_results,
 )
+
+if TYPE_CHECKING:
+    from app.engine.tokenizer import HFChatTokenizer
 
 log = logging.getLogger("djev.engine")
 
@@ -80,9 +84,9 @@ class RemoteOptions:
 class RemoteReader:
     stat_gauges = ("upstreams_healthy", "outstanding")  # levels, not counts (for /metrics)
 
-    def __init__(self, tokenizer: Any, image_ids: tuple[int, int, int],
+    def __init__(self, tokenizer: HFChatTokenizer, image_ids: tuple[int, int, int],
                  info: ReaderInfo, options: RemoteOptions) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer: ChatTokenizer = tokenizer
         self.info = info
         self.options = options
         self.pool = UpstreamPool(options.upstreams, connect_timeout=options.connect_timeout,
@@ -139,10 +143,11 @@ class RemoteReader:
         return await asyncio.to_thread(self._form_chat, prompt)
 
     async def _read_canvas(self, spec: ReadSpec, canvas: tuple[int, ...], groups: Sequence[tuple[int, ...]],
-                           chat: dict | None) -> CanvasAnswer:
+                           chat: dict[str, Any] | None) -> CanvasAnswer:
         """One canvas, one request per group of label ids (`label_id_groups`), answers merged."""
         if chat is not None:
-            parts = [self.pool.call(lambda u, ids=ids: self._chat_read(u, spec, canvas, ids, chat)) for ids in groups]
+            fields = chat  # a dict: the narrowing of `chat` does not reach into the lambdas below
+            parts = [self.pool.call(lambda u, ids=ids: self._chat_read(u, spec, canvas, ids, fields)) for ids in groups]
         else:
             parts = [self.pool.call(lambda u, ids=ids: self._completion_read(u, spec, canvas, ids)) for ids in groups]
         return merge_answers(await gather_or_cancel(parts))
@@ -153,7 +158,7 @@ class RemoteReader:
                                          lambda answer: self._parsed(upstream, parse_completion_read, answer))
 
     async def _chat_read(self, upstream: Upstream, spec: ReadSpec, canvas: tuple[int, ...],
-                         ids: tuple[int, ...], chat: dict) -> CanvasAnswer:
+                         ids: tuple[int, ...], chat: dict[str, Any]) -> CanvasAnswer:
         """One canvas read through `/v1/chat/completions` (`chat`: the prompt as messages)."""
         body = chat_read_body(spec, canvas, ids, chat)
 
@@ -221,7 +226,7 @@ class RemoteReader:
                     return
         yield cutter.end()
 
-    async def _event_stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+    async def _event_stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Server-sent events of a streamed request. Only opening the stream is retried elsewhere: once
         tokens have come, a failure ends the generation with an EngineError."""
         response, upstream = await self.pool.call(lambda u: self.pool.open_stream(u, path, body))

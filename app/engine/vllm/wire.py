@@ -13,9 +13,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from app.engine.base import EngineError, GenerateChunk, GenerateSpec, ReadResult, ReadSpec, SlotRead
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+    from app.engine.tokenizer import HFChatTokenizer
 
 # Stock vLLM's cap on `logprob_token_ids` per request (vllm.sampling_params.MAX_LOGPROB_TOKEN_IDS).
 STOCK_LOGPROB_ID_CAP = 128
@@ -251,7 +256,7 @@ class CheckpointConfig:
                    sliding_window=int(text.get("sliding_window") or 0))
 
 
-def load_tokenizer(checkpoint: Path, config: CheckpointConfig) -> tuple[Any, Any]:
+def load_tokenizer(checkpoint: Path, config: CheckpointConfig) -> tuple[HFChatTokenizer, PreTrainedTokenizerFast]:
     """The checkpoint's tokenizer, loaded locally (templates are built here, whatever runs the
     model): (HFChatTokenizer, the transformers tokenizer under it)."""
     from transformers import AutoTokenizer

@@ -13,11 +13,23 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from app.engine.hf.graphs.encoder import copy_all, shared_view
+from app.engine.hf.parts import decoder_layers, text_config
+
+if TYPE_CHECKING:
+    from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.cache_utils import Cache
+    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaDecoderTextAttention
+
+    from app.engine.hf.prompts import EncodedPrompt
+
+    # A row of a decoder pass: a prompt's KV and the canvas read over it.
+    Row = tuple[EncodedPrompt, Sequence[int]]
 
 log = logging.getLogger("djev.engine")
 
@@ -47,24 +59,35 @@ class CanvasKV:
     length: int
 
 
-def append_in_place(attention: Any) -> None:
+class CanvasLayer(DynamicLayer):
+    """A graph's cache layer: a DynamicLayer over the static prompt KV buffers, with the CanvasKV
+    the pass writes the canvas's KV into."""
+
+    def __init__(self, canvas_kv: CanvasKV) -> None:
+        super().__init__()
+        self.canvas_kv = canvas_kv
+
+
+def append_in_place(attention: DiffusionGemmaDecoderTextAttention) -> None:
     """Give a decoder attention module an `append_to_cache` that writes into a graph's CanvasKV
     when its cache layer has one, and concatenates as transformers does otherwise (eager passes)."""
     original = attention.append_to_cache
     if getattr(original, "canvas_kv", False):
         return
 
-    def append_to_cache(past_key_values: Any, key_states: torch.Tensor,
+    def append_to_cache(past_key_values: Cache, key_states: torch.Tensor,
                         value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        buffers = getattr(past_key_values.layers[attention.layer_idx], "canvas_kv", None)
-        if buffers is None:
+        layer = past_key_values.layers[attention.layer_idx]
+        if not isinstance(layer, CanvasLayer):
             return original(past_key_values, key_states, value_states)
+        buffers = layer.canvas_kv
         end = buffers.length + key_states.shape[2]
         buffers.keys[:, :, buffers.length:end].copy_(key_states)
         buffers.values[:, :, buffers.length:end].copy_(value_states)
         return buffers.keys[:, :, :end], buffers.values[:, :, :end]
 
-    append_to_cache.canvas_kv = True  # type: ignore[attr-defined]
+    # A marker: Python functions take attributes, typeshed's FunctionType declares none.
+    append_to_cache.canvas_kv = True  # pyright: ignore[reportFunctionMemberAccess]
     attention.append_to_cache = append_to_cache
 
 
@@ -78,9 +101,9 @@ class _Graph:
     canvas: torch.Tensor
     positions: torch.Tensor
     masks: dict[str, torch.Tensor]
-    cache: Any
+    cache: DynamicCache
     conditioning: torch.Tensor | None = None  # [rows, width, vocab] self-conditioning logits, if keyed so
-    graph: Any = None
+    graph: torch.cuda.CUDAGraph | None = None
     output: torch.Tensor | None = None
     memory: int = 0
 
@@ -88,7 +111,7 @@ class _Graph:
 class DecoderGraphs:
     def __init__(
         self,
-        model: Any,
+        model: DiffusionGemmaForBlockDiffusion,
         layer_types: Sequence[str],
         device: torch.device,
         *,
@@ -113,10 +136,10 @@ class DecoderGraphs:
         self.disabled: str | None = None
         self.captures = 0
         self._storage: dict[str, torch.Tensor] = {}
-        for layer in model.model.decoder.layers:
+        for layer in decoder_layers(model):
             append_in_place(layer.self_attn)
 
-    def key(self, rows: Sequence[tuple[Any, Sequence[int]]], conditioning: torch.Tensor | None = None) -> tuple | None:
+    def key(self, rows: Sequence[Row], conditioning: torch.Tensor | None = None) -> tuple | None:
         width = max(len(canvas) for _, canvas in rows)
         lengths = {t: bucket_length(max(encoded.layers[index][0].shape[2] for encoded, _ in rows))
                    for t, index in self.first_layer.items()}
@@ -130,8 +153,7 @@ class DecoderGraphs:
                 return None
         return (batch, width, tuple(sorted(lengths.items())), conditioning is not None)
 
-    def hidden(self, rows: Sequence[tuple[Any, Sequence[int]]],
-               conditioning: torch.Tensor | None = None) -> torch.Tensor | None:
+    def hidden(self, rows: Sequence[Row], conditioning: torch.Tensor | None = None) -> torch.Tensor | None:
         """The decoder's hidden states for `rows` ([len(rows), width, hidden]), or None to go eager.
 
         The tensor lives in the graphs' shared memory pool: it is valid until the next call, so the
@@ -170,9 +192,7 @@ class DecoderGraphs:
 
     # ------------------------------------------------------------------ building
 
-    def _build(self, key: tuple, rows: Sequence[tuple[Any, Sequence[int]]]) -> _Graph:
-        from transformers.cache_utils import DynamicCache
-
+    def _build(self, key: tuple, rows: Sequence[Row]) -> _Graph:
         batch, width, lengths_items, conditioned = key
         lengths = dict(lengths_items)
         first = rows[0][0]
@@ -188,10 +208,11 @@ class DecoderGraphs:
             full_v = self._view(f"v{index}", (batch, length + width, v.shape[1], v.shape[3]), v.dtype).transpose(1, 2)
             keys.append(full_k[:, :, :length])
             values.append(full_v[:, :, :length])
+            layer = CanvasLayer(CanvasKV(full_k, full_v, length))
+            cache.layers.append(layer)  # the layer update() fills, in place of the DynamicLayer it would add
             cache.update(keys[-1], values[-1], index)
             # Point the cache at the static buffers themselves (update() stored a copy).
-            cache.layers[index].keys, cache.layers[index].values = keys[-1], values[-1]
-            cache.layers[index].canvas_kv = CanvasKV(full_k, full_v, length)
+            layer.keys, layer.values = keys[-1], values[-1]
         graph = _Graph(
             rows=batch, width=width, lengths=lengths, keys=keys, values=values,
             canvas=torch.full((batch, width), self.pad_id, dtype=torch.long, device=self.device),
@@ -204,7 +225,7 @@ class DecoderGraphs:
         # graph) counts in `memory` with what the capture adds.
         before = torch.cuda.memory_allocated(self.device) if self.capture else 0
         if conditioned:
-            graph.conditioning = torch.zeros((batch, width, self.model.config.text_config.vocab_size),
+            graph.conditioning = torch.zeros((batch, width, text_config(self.model).vocab_size),
                                              dtype=self.model.dtype, device=self.device)
         self._load(graph, rows, None)
         if self.capture:
@@ -244,8 +265,7 @@ class DecoderGraphs:
             self_conditioning_logits=graph.conditioning,
         ).last_hidden_state
 
-    def _load(self, graph: _Graph, rows: Sequence[tuple[Any, Sequence[int]]],
-              conditioning: torch.Tensor | None) -> None:
+    def _load(self, graph: _Graph, rows: Sequence[Row], conditioning: torch.Tensor | None) -> None:
         """Copy a batch into the static buffers: KV left-padded to the bucket, masks, canvas, positions
         (and the self-conditioning logits, for graphs keyed with them)."""
         if graph.conditioning is not None and conditioning is not None:

@@ -16,9 +16,14 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
+
+from app.engine.hf.parts import encoder_layers
+
+if TYPE_CHECKING:
+    from transformers import DiffusionGemmaForBlockDiffusion
 
 log = logging.getLogger("djev.engine")
 
@@ -60,7 +65,8 @@ def copy_all(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -
     launch or a few for the whole list) takes pairs of equal sizes and strides with no gaps, which
     [heads, tokens, dim] views of token-major buffers are; any other pair is copied on its own."""
     if targets:
-        torch._foreach_copy_(list(targets), list(sources))
+        # torch binds its _foreach ops into its namespace at import; its stubs declare them in torch._C.
+        torch._foreach_copy_(list(targets), list(sources))  # pyright: ignore[reportPrivateImportUsage]
 
 
 def shared_view(storage: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -118,14 +124,14 @@ class _Graph:
     length: int
     embeds: torch.Tensor  # [rows, length, hidden] input embeddings, right-padded
     cache: _StaticKV
-    graph: Any = None
+    graph: torch.cuda.CUDAGraph | None = None
     memory: int = 0
 
 
 class EncoderGraphs:
     def __init__(
         self,
-        model: Any,
+        model: DiffusionGemmaForBlockDiffusion,
         layer_types: Sequence[str],
         device: torch.device,
         *,
@@ -139,6 +145,7 @@ class EncoderGraphs:
     ) -> None:
         self.encoder = model.model.encoder
         self.text_model = self.encoder.language_model
+        self.layers = encoder_layers(model)
         self.layer_types = list(layer_types)
         self.device = device
         self.sliding_window = sliding_window
@@ -232,7 +239,7 @@ class EncoderGraphs:
             return None
         return self.key(rows, longest, prefix)
 
-    def _run(self, key: Key, lengths: list[int], load: Any,
+    def _run(self, key: Key, lengths: list[int], load: Callable[[_Graph], object],
              prefix: tuple[Layers, int] | None = None) -> list[Layers] | None:
         try:
             self.last_graphed = self.graphed(key)
@@ -296,7 +303,7 @@ class EncoderGraphs:
         hidden = self.text_model.config.hidden_size
         dtype = self.text_model.embed_tokens.weight.dtype
         keys, values = [], []
-        for index, attention in enumerate(layer.self_attn for layer in self.text_model.layers):
+        for index, attention in enumerate(layer.self_attn for layer in self.layers):
             heads = attention.k_proj.out_features // attention.head_dim
             # token-major; attention sees [rows, heads, tokens, dim]
             shape = (batch, slots + length, heads, attention.head_dim)

@@ -11,11 +11,14 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from app.engine.hf.graphs.encoder import bucket_of
+
+if TYPE_CHECKING:
+    from transformers import DiffusionGemmaForBlockDiffusion
 
 log = logging.getLogger("djev.engine")
 
@@ -29,11 +32,12 @@ class _Graph:
     positions: torch.Tensor  # [images, patches, 2], (-1, -1) for padding patches
     features: torch.Tensor | None = None  # [images, soft tokens, text hidden] (graph output)
     valid: torch.Tensor | None = None  # [images, soft tokens] which soft tokens are real
-    graph: Any = None
+    graph: torch.cuda.CUDAGraph | None = None
 
 
 class VisionGraphs:
-    def __init__(self, model: Any, device: torch.device, *, capture: bool, max_graphs: int = 8) -> None:
+    def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device, *, capture: bool,
+                 max_graphs: int = 8) -> None:
         self.encoder = model.model.encoder
         self.tower = self.encoder.vision_tower
         self.device = device

@@ -11,10 +11,14 @@ lazily: the CPU install never needs it. Design and numbers: docs/design.md §4.7
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from torch._library.custom_ops import CustomOpDef
+    from transformers import DiffusionGemmaForBlockDiffusion, PreTrainedConfig
+    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaTextExperts
 
 IMPLEMENTATION = "djev_fused"  # the name registered in transformers' experts interface
 ACTIVATIONS = ("gelu_pytorch_tanh",)  # what the kernel computes (Gemma 4's experts)
@@ -98,7 +102,7 @@ def expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_
     """Every token-expert pair's expert output [tokens x top_k, hidden] in the model's dtype, before
     its routing weight: the kernels with the tiles given (bench/bench_gpu_moe.py tries several);
     None = block_config's. `down`, if given, is the down kernel's own tiles (same block_m)."""
-    import triton
+    import triton  # pyright: ignore[reportMissingImports]  # optional: Triton
 
     from app.engine.hf.moe.kernels import RUN_INTERPRETED, down_kernel, gate_up_kernel
 
@@ -118,28 +122,33 @@ def expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_
     pairs, block_experts = align(top_k_index, experts, config.block_m)
     blocks = block_experts.numel()
     activated = torch.empty((total, inter), dtype=x.dtype, device=x.device)
-    gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](
+    # For the checker: without Triton (.venv) @triton.jit is unresolved and a kernel is its plain function,
+    # which takes no [grid]; with it, Triton types kernel[grid] as the kernel's own signature, though the
+    # launcher also takes the launch options num_warps and num_stages.
+    gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](  # pyright: ignore[reportIndexIssue]
         x, gate_up_proj, activated, pairs, block_experts,
         total, hidden, inter, top_k, experts,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), activated.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, INTERPRETED=RUN_INTERPRETED, PRECISION=precision)
+        INTERPRETED=RUN_INTERPRETED, PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages)  # pyright: ignore[reportCallIssue]
     rows = torch.empty((total, hidden), dtype=x.dtype, device=x.device)
-    down_kernel[(blocks, triton.cdiv(hidden, down.block_n))](
+    down_kernel[(blocks, triton.cdiv(hidden, down.block_n))](  # pyright: ignore[reportIndexIssue]
         activated, down_proj, rows, pairs, block_experts,
         total, hidden, inter, experts,
         activated.stride(0), down_proj.stride(0), down_proj.stride(1), rows.stride(0),
         BLOCK_M=down.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        num_warps=down.num_warps, num_stages=down.num_stages, INTERPRETED=RUN_INTERPRETED, PRECISION=precision)
+        INTERPRETED=RUN_INTERPRETED, PRECISION=precision,
+        num_warps=down.num_warps, num_stages=down.num_stages)  # pyright: ignore[reportCallIssue]
     return rows
 
 
 # ---------------------------------------------------------------------------------------- wiring
 
-_OP: Any = None
+_OP: CustomOpDef | None = None
 
 
-def _custom_op() -> Any:
+def _custom_op() -> CustomOpDef:
     """`expert_rows` as a torch custom op, so torch.compile (TORCH_COMPILE compiles the layer piece
     that calls the experts) treats it as one opaque call with a known output shape instead of
     tracing Triton."""
@@ -159,14 +168,14 @@ def _custom_op() -> Any:
     return _OP
 
 
-def experts_forward(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def experts_forward(module: DiffusionGemmaTextExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The forward transformers calls for a DiffusionGemma experts module under IMPLEMENTATION."""
     rows = _custom_op()(hidden_states, top_k_index, module.gate_up_proj, module.down_proj)
     return weighted_sum(rows, top_k_weights)
 
 
-def unsupported(config: Any) -> str | None:
+def unsupported(config: PreTrainedConfig) -> str | None:
     """Why the kernels cannot run this model's experts, or None when they can."""
     text = getattr(config, "text_config", config)
     activation = getattr(text, "hidden_activation", None)
@@ -175,13 +184,13 @@ def unsupported(config: Any) -> str | None:
     if not getattr(text, "num_experts", None):
         return "the model has no experts"
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  # pyright: ignore[reportMissingImports]  # optional: Triton
     except ImportError as exc:
         return f"Triton is not importable ({exc})"
     return None
 
 
-def use_fused_experts(model: Any) -> str | None:
+def use_fused_experts(model: DiffusionGemmaForBlockDiffusion) -> str | None:
     """Switch `model`'s experts to the kernels (registering IMPLEMENTATION in transformers' experts
     interface); returns None, or why they cannot run it (the model keeps its implementation)."""
     reason = unsupported(model.config)

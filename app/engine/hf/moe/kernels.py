@@ -12,9 +12,9 @@ On a GPU the flag is off: bf16 dots on the tensor cores, the hardware's conversi
 PRECISION is "ieee" for float32 models (Triton would otherwise multiply float32 in TF32, which
 the numerics checks would see), "tf32" otherwise (ignored for bf16 operands)."""
 
-import triton
-import triton.language as tl
-from triton.runtime.jit import JITFunction
+import triton  # pyright: ignore[reportMissingImports]  # optional: Triton
+import triton.language as tl  # pyright: ignore[reportMissingImports]  # optional: Triton
+from triton.runtime.jit import JITFunction  # pyright: ignore[reportMissingImports]  # optional: Triton
 
 
 @triton.jit
