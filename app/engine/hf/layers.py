@@ -77,7 +77,7 @@ def attend(layer: TextLayer, queries: torch.Tensor, keys: torch.Tensor, values: 
             keys, values = attention.append_to_cache(past_key_values, keys, values)
         else:
             keys, values = past_key_values.update(keys, values, attention.layer_idx)
-    if uses_grouped_attention(attention, queries, keys, attention_mask):
+    if attention_mask is not None and uses_grouped_attention(attention, queries, keys, attention_mask):
         return grouped_attention(queries, keys, values, attention_mask, attention.scaling)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(
         attention.config._attn_implementation,  # pyright: ignore[reportArgumentType]  # declared str; None is handled
@@ -87,7 +87,8 @@ def attend(layer: TextLayer, queries: torch.Tensor, keys: torch.Tensor, values: 
     return out
 
 
-def uses_grouped_attention(attention: TextAttention, queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> bool:
+def uses_grouped_attention(attention: TextAttention, queries: torch.Tensor, keys: torch.Tensor,
+                           mask: torch.Tensor | None) -> bool:
     """Whether `attend` runs `grouped_attention` instead of the library's SDPA call for this
     attention module and these queries [batch, heads, tokens, dim], keys and mask: SDPA configured,
     query heads sharing KV heads, several query tokens and a mask shared by the heads (the decoder's;
