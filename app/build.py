@@ -150,7 +150,7 @@ def build_reader(settings: Settings):
             return load_vllm_reader(checkpoint, vllm_options(settings, served, tiny))
         except ImportError as exc:  # vLLM missing: the message says what to install
             raise CheckpointError(str(exc)) from None
-    from app.engine.hf.reader import load_hf_reader
+    from app.engine.hf.loader import load_hf_reader
 
     return load_hf_reader(checkpoint, hf_options(settings, served, tiny))
 

@@ -263,7 +263,7 @@ def tiny_reader(checkpoint: Path, settings: Any = None):
     belongs to one event loop, so the in-process measurements and the server each get their own."""
     from app.build import hf_options
     from app.config import Settings
-    from app.engine.hf.reader import load_hf_reader
+    from app.engine.hf.loader import load_hf_reader
     from app.engine.tiny import TINY_MODEL_NAME
 
     quiet_transformers()

@@ -53,7 +53,7 @@ def tiny_server() -> Iterator[str]:
     """The tiny model, served in-process on 127.0.0.1 (the tests' set-up, without pytest)."""
     from app.build import hf_options
     from app.config import Settings
-    from app.engine.hf.reader import load_hf_reader
+    from app.engine.hf.loader import load_hf_reader
     from app.engine.tiny import TINY_MODEL_NAME, write_tiny_model
     from app.server import create_app, serve_in_background
 

@@ -10,7 +10,7 @@ import pytest
 from app import build
 from app.build import hf_options
 from app.config import Settings
-from app.engine.hf.reader import load_hf_reader
+from app.engine.hf.loader import load_hf_reader
 from app.engine.tiny import TINY_MODEL_NAME, write_tiny_model
 from app.server import free_port, serve_in_background  # noqa: F401 - tests import free_port from here
 from tests.fakes import ScriptedReader

@@ -23,8 +23,7 @@ import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from app.engine.base import (
     CacheKey,
@@ -44,7 +43,6 @@ from app.engine.base import (
 )
 
 if TYPE_CHECKING:
-    from transformers import DiffusionGemmaForBlockDiffusion
 
     from app.engine.hf.generation import Generation
     from app.engine.hf.prompts import Preprocessed, ProcessedImages
@@ -73,14 +71,6 @@ class HFOptions:
     fused_moe: bool  # the experts as Triton kernels, CUDA only (app/engine/hf/moe/fused.py)
 
 
-def pick_device(requested: str) -> str:
-    import torch
-
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return requested
-
-
 def settle_heap() -> None:
     """Set every object alive now (the model, the libraries, the compiled code) aside from the
     garbage collector's passes, which otherwise walk them all in every full pass: several hundred
@@ -103,96 +93,6 @@ def built_count(runner: DiffusionRunner) -> int:
     if dynamo is not None:
         total += int(dynamo.counters["stats"].get("unique_graphs", 0))
     return total
-
-
-def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> "HFReader":
-    """Load a local DiffusionGemma checkpoint directory (config, weights, tokenizer, processor)."""
-    import torch
-    from transformers import AutoImageProcessor, AutoTokenizer, DiffusionGemmaForBlockDiffusion
-
-    from app.engine.hf.parts import text_config
-    from app.engine.hf.runner import DiffusionRunner
-    from app.engine.tokenizer import HFChatTokenizer
-
-    path = Path(checkpoint)
-    if options.torch_threads > 0:
-        torch.set_num_threads(options.torch_threads)
-    device_name = pick_device(options.device)
-    device = torch.device(device_name)
-    on_cuda = device.type == "cuda"
-    kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if on_cuda else torch.float32, "attn_implementation": "sdpa"}
-    if on_cuda:
-        # The eager loop over experts is 13x slower on an H200 (docs/design.md §4.2).
-        kwargs["experts_implementation"] = "grouped_mm"
-    log.info("loading %s on %s (%s)", path, device_name, kwargs["dtype"])
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), **kwargs)
-    # PreTrainedModel.to is functools.wraps(nn.Module.to); typeshed's wraps result binds no self.
-    model = model.to(device).eval()  # pyright: ignore[reportArgumentType]
-    if options.fused_moe and on_cuda:
-        from app.engine.hf.moe.fused import use_fused_experts
-
-        reason = use_fused_experts(model)
-        if reason is None:
-            log.info("experts: djev's Triton kernels (FUSED_MOE)")
-        else:
-            log.warning("experts: grouped_mm, the Triton kernels cannot run this model: %s", reason)
-    compiled = options.torch_compile and on_cuda
-    if compiled:
-        from app.engine.hf.compiled import compile_layers
-
-        compile_layers(model)
-    hf_tokenizer = AutoTokenizer.from_pretrained(str(path))
-    try:
-        image_processor = AutoImageProcessor.from_pretrained(str(path), backend="pil")
-    except Exception as exc:  # noqa: BLE001 - a checkpoint without an image processor still reads text
-        log.warning("no image processor in %s (%s): image states will be refused", path, exc)
-        image_processor = None
-    image_token_id = model.config.image_token_id
-    assert image_token_id is not None, "the checkpoint's config names no image token"
-    tokenizer = HFChatTokenizer(
-        hf_tokenizer, vocab_size=int(text_config(model).vocab_size), image_token_id=int(image_token_id)
-    )
-    runner = DiffusionRunner(
-        model,
-        image_processor,
-        device=device,
-        max_prompt_tokens=options.max_prompt_tokens,
-        kv_entries=options.kv_cache_entries,
-        max_rows=options.max_batch_rows,
-        generation=_generation_settings(model),
-        cuda_graphs=options.cuda_graphs,
-    )
-    if compiled:
-        from app.engine.hf.compiled import warm_up
-
-        log.info("compiling the model's layers before the first request (TORCH_COMPILE) ...")
-        log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
-    settle_heap()  # at start-up, so the count's walk of the heap costs nothing under load
-    log.info("%d objects set aside from the garbage collector's full passes", gc.get_freeze_count())
-    device_label = torch.cuda.get_device_name(device) if on_cuda else "cpu"
-    info = ReaderInfo(
-        model=options.served_name or path.name,
-        engine="hf",
-        device=device_label,
-        tiny=options.tiny,
-        canvas_length=options.canvas_length,
-        checkpoint=str(path),
-    )
-    return HFReader(runner, tokenizer, info, options)
-
-
-def _generation_settings(model: DiffusionGemmaForBlockDiffusion) -> dict[str, float]:
-    config = getattr(model, "generation_config", None)
-    settings: dict[str, float] = {}
-    for name in ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold"):
-        value = getattr(config, name, None)
-        if value is not None:
-            settings[name] = value
-    sampler = getattr(config, "sampler_config", None)
-    bound = getattr(sampler, "entropy_bound", None) if sampler is not None else None
-    if bound is not None:
-        settings["entropy_bound"] = bound
-    return settings
 
 
 def _cache_keys(prompts: Sequence[Prompt]) -> list[CacheKey]:
