@@ -39,13 +39,12 @@ from app.engine.base import (
     gather_or_cancel,
 )
 from app.engine.vllm.chat_serving import InProcessChat
+from app.engine.vllm.checkpoint import CheckpointConfig, load_tokenizer
 from app.engine.vllm.wire import (
     STOCK_LOGPROB_ID_CAP,
     CanvasAnswer,
-    CheckpointConfig,
     ChunkCutter,
     label_id_groups,
-    load_tokenizer,
     merge_answers,
     read_extra_args,
     read_results,

@@ -41,18 +41,17 @@ from app.engine.base import (
     gather_or_cancel,
 )
 from app.engine.vllm.chat import ChatFormer
+from app.engine.vllm.checkpoint import CheckpointConfig, load_tokenizer
 from app.engine.vllm.upstreams import Failed, Upstream, UpstreamPool
 from app.engine.vllm.wire import (
     STOCK_LOGPROB_ID_CAP,
     CanvasAnswer,
-    CheckpointConfig,
     ChunkCutter,
     UpstreamAnswerError,
     chat_read_body,
     collapse_images,
     completion_read_body,
     label_id_groups,
-    load_tokenizer,
     merge_answers,
     parse_chat_read,
     parse_completion_read,

@@ -1,6 +1,6 @@
 """What the `vllm` and `remote` engines share: how a djev read becomes vLLM requests, how vLLM's
-logprobs become `SlotRead`s, how vLLM's generated pieces become `GenerateChunk`s, and what they
-take from the checkpoint's config.json.
+logprobs become `SlotRead`s, and how vLLM's generated pieces become `GenerateChunk`s (what they read
+of the checkpoint itself is app/engine/vllm/checkpoint.py).
 
 A read is one vLLM request per canvas, the canvas fields in `extra_args` (`vllm_xargs` over HTTP)
 and the label ids in `logprob_token_ids`, split into requests of at most `cap` ids where a read has
@@ -9,18 +9,11 @@ more, their answers merged. The fields and why: docs/design.md §4.5.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from app.engine.base import EngineError, GenerateChunk, GenerateSpec, ReadResult, ReadSpec, SlotRead
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
-
-    from app.engine.tokenizer import HFChatTokenizer
 
 # Stock vLLM's cap on `logprob_token_ids` per request (vllm.sampling_params.MAX_LOGPROB_TOKEN_IDS).
 STOCK_LOGPROB_ID_CAP = 128
@@ -235,36 +228,6 @@ class ChunkCutter:
     def end(self) -> GenerateChunk:
         """The closing chunk of a stream vLLM ended without saying it finished."""
         return GenerateChunk(ids=(), done=True, stopped=False, prompt_tokens=self.prompt_tokens)
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """What the vLLM engines take from the checkpoint's config.json, read once at start-up."""
-
-    vocab_size: int
-    image_id: int
-    boi_id: int  # begin-of-image
-    eoi_id: int  # end-of-image
-    sliding_window: int  # 0 = none
-
-    @classmethod
-    def read(cls, checkpoint: Path) -> "CheckpointConfig":
-        config = json.loads((checkpoint / "config.json").read_text())
-        text = config.get("text_config") or config
-        return cls(vocab_size=int(text["vocab_size"]), image_id=int(config.get("image_token_id", -1)),
-                   boi_id=int(config.get("boi_token_id", -1)), eoi_id=int(config.get("eoi_token_id", -1)),
-                   sliding_window=int(text.get("sliding_window") or 0))
-
-
-def load_tokenizer(checkpoint: Path, config: CheckpointConfig) -> tuple[HFChatTokenizer, PreTrainedTokenizerFast]:
-    """The checkpoint's tokenizer, loaded locally (templates are built here, whatever runs the
-    model): (HFChatTokenizer, the transformers tokenizer under it)."""
-    from transformers import AutoTokenizer
-
-    from app.engine.tokenizer import HFChatTokenizer
-
-    raw = AutoTokenizer.from_pretrained(str(checkpoint))
-    return HFChatTokenizer(raw, vocab_size=config.vocab_size, image_token_id=config.image_id), raw
 
 
 def collapse_images(ids: Sequence[int], image_id: int, boi_id: int, eoi_id: int) -> list[int]:

@@ -12,13 +12,12 @@ from app.cli import build_parser, settings_from_args
 from app.config import Settings
 from app.engine.base import GenerateSpec, ImageInput, Prompt, ReadSpec
 from app.engine.vllm.chat import IMAGE_PART, ChatForm, ChatFormer
+from app.engine.vllm.checkpoint import CheckpointConfig, load_tokenizer
 from app.engine.vllm.wire import (
-    CheckpointConfig,
     ChunkCutter,
     UpstreamAnswerError,
     collapse_images,
     label_id_groups,
-    load_tokenizer,
     merge_answers,
     parse_chat_read,
     parse_completion_read,
