@@ -189,6 +189,11 @@ class Metrics:
                               ["result"], registry=r)
         for result in ("decided", "dropped"):
             self.frames.labels(result=result)  # both series exist (at 0) before the first frame
+        # How old a camera answer is when it leaves: from its frame's arrival to its result. The
+        # client adds its own capture and network time; the walk page drops answers past 1.5 s.
+        self.answer_age = Histogram("djev_stream_answer_age_seconds",
+                                    "camera frames: seconds from a frame's arrival to its result being sent",
+                                    buckets=LATENCY_BUCKETS, registry=r)
 
     def watch(self, services: LiveServices) -> None:
         """Export `services`' live state (admission, sessions, reader stats) at every scrape."""
@@ -204,8 +209,10 @@ class Metrics:
         self.tokens.labels(route=route, kind="input").inc(max(int(outcome.input_tokens), 0))
         self.tokens.labels(route=route, kind="output").inc(max(int(outcome.output_tokens), 0))
 
-    def frame_decided(self) -> None:
+    def frame_decided(self, age_seconds: float) -> None:
+        """A camera frame answered, `age_seconds` after it arrived."""
         self.frames.labels(result="decided").inc()
+        self.answer_age.observe(max(age_seconds, 0.0))
 
     def frame_dropped(self) -> None:
         self.frames.labels(result="dropped").inc()

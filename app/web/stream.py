@@ -244,7 +244,7 @@ class StreamSession:
             return
         done = time.monotonic()
         self.decided += 1
-        self.services.metrics.frame_decided()
+        self.services.metrics.frame_decided(done - frame.received)
         dropped, self.dropped = self.dropped, []
         await self.send({
             "type": "result",

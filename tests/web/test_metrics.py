@@ -174,17 +174,22 @@ def test_frame_counters_start_at_zero_and_count():
     samples = scrape(metrics)
     assert value(samples, "djev_stream_frames_total", result="decided") == 0
     assert value(samples, "djev_stream_frames_total", result="dropped") == 0
-    metrics.frame_decided()
+    assert value(samples, "djev_stream_answer_age_seconds_count") == 0
+    metrics.frame_decided(0.4)
     metrics.frame_dropped()
     metrics.frame_dropped()
     samples = scrape(metrics)
     assert value(samples, "djev_stream_frames_total", result="decided") == 1
     assert value(samples, "djev_stream_frames_total", result="dropped") == 2
+    assert value(samples, "djev_stream_answer_age_seconds_count") == 1
+    assert value(samples, "djev_stream_answer_age_seconds_sum") == pytest.approx(0.4)
+    assert value(samples, "djev_stream_answer_age_seconds_bucket", le="0.25") == 0
+    assert value(samples, "djev_stream_answer_age_seconds_bucket", le="0.5") == 1
 
 
 def test_each_app_has_its_own_registry_and_the_global_one_is_untouched():
     first, second = Metrics(), Metrics()
-    first.frame_decided()
+    first.frame_decided(0.1)
     assert value(scrape(first), "djev_stream_frames_total", result="decided") == 1
     assert value(scrape(second), "djev_stream_frames_total", result="decided") == 0
     assert not [m for m in REGISTRY.collect() if m.name.startswith("djev")]
@@ -317,6 +322,10 @@ def test_a_live_server_counts_a_decision_and_camera_frames(tiny_dir):
     assert decided + dropped == 3
     assert value(after, "djev_stream_frames_total", result="decided") == decided
     assert value(after, "djev_stream_frames_total", result="dropped") == dropped
+    # each answered frame's age, as the server measured it (the results' timing.total_ms)
+    assert value(after, "djev_stream_answer_age_seconds_count") == decided
+    total_s = sum(result["timing"]["total_ms"] for result in results) / 1000
+    assert value(after, "djev_stream_answer_age_seconds_sum") == pytest.approx(total_s, abs=0.001 * decided)
     assert value(after, "djev_stream_sessions") == 0
     requests = "djev_http_requests_total"
     assert value(after, requests, route="/v1/systemone", method="POST", status="200") == 1
