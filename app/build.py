@@ -9,6 +9,7 @@ from pathlib import Path
 from app.config import Settings
 from app.decisions.limits import Limits
 from app.decisions.reading import ReadSettings
+from app.engine.base import StartupProgress
 
 log = logging.getLogger("djev")
 
@@ -134,7 +135,9 @@ def vllm_options(settings: Settings, served_name: str, tiny: bool):
     )
 
 
-def build_reader(settings: Settings):
+def build_reader(settings: Settings, progress: StartupProgress | None = None):
+    """The reader the settings ask for, loaded (blocking: minutes for a full model on the GPU);
+    `progress` hears each start-up phase of the hf engine."""
     from app.engine.tiny import TINY_MODEL_NAME
 
     checkpoint, tiny = resolve_checkpoint(settings)
@@ -152,7 +155,7 @@ def build_reader(settings: Settings):
             raise CheckpointError(str(exc)) from None
     from app.engine.hf.loader import load_hf_reader
 
-    return load_hf_reader(checkpoint, hf_options(settings, served, tiny))
+    return load_hf_reader(checkpoint, hf_options(settings, served, tiny), progress)
 
 
 def limits(settings: Settings) -> Limits:

@@ -7,10 +7,13 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from app.config import Settings, field_kind, setting_fields
 from app.logs import configure_logging
+
+if TYPE_CHECKING:
+    from app.engine.base import Reader, StartupProgress
 
 
 def _flag(name: str) -> str:
@@ -53,11 +56,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings.from_env(**overrides)
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, load: Callable[[StartupProgress], Reader] | None = None) -> int:
+    """Run the server until it is stopped. `load` builds the reader (default: the one the settings
+    ask for, `app.build.build_reader`); a bench passes its own, e.g. random weights through the hf
+    engine's `hf_reader`, and is served exactly as `djev serve` serves."""
     from app.build import build_reader
     from app.server import create_app, serve_app
 
-    reader = build_reader(settings)
+    reader = (load or (lambda progress: build_reader(settings, progress)))(lambda phase, done, total: None)
     app = create_app(settings, reader)
     ssl = None
     if settings.server.tls_port:

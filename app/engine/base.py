@@ -13,12 +13,16 @@ import asyncio
 import hashlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     from PIL import Image
 
 T = TypeVar("T")
+
+# Told each start-up phase as it begins and as it goes: (phase, done, total), e.g.
+# ("loading weights", 0, 1) or ("capturing graphs", 12, 40). `/health` shows the latest.
+StartupProgress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.engine.base import ReaderInfo
+from app.engine.base import ReaderInfo, StartupProgress
 from app.engine.hf.reader import HFOptions, HFReader, settle_heap
 
 if TYPE_CHECKING:
@@ -26,29 +26,51 @@ def pick_device(requested: str) -> str:
     return requested
 
 
-def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> HFReader:
-    """Load a local DiffusionGemma checkpoint directory (config, weights, tokenizer, processor)."""
+def load_hf_reader(checkpoint: str | Path, options: HFOptions, progress: StartupProgress | None = None) -> HFReader:
+    """Load a local DiffusionGemma checkpoint directory (config, weights, tokenizer, processor) and
+    make the reader (`hf_reader`). `progress` hears each start-up phase as it begins."""
     import torch
     from transformers import AutoImageProcessor, AutoTokenizer, DiffusionGemmaForBlockDiffusion
+
+    report = progress or _silent
+    path = Path(checkpoint)
+    if options.torch_threads > 0:
+        torch.set_num_threads(options.torch_threads)
+    device_name = pick_device(options.device)
+    on_cuda = torch.device(device_name).type == "cuda"
+    kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if on_cuda else torch.float32, "attn_implementation": "sdpa"}
+    if on_cuda:
+        # The eager loop over experts is 13x slower on an H200 (docs/design.md §4.2).
+        kwargs["experts_implementation"] = "grouped_mm"
+    report("loading weights", 0, 1)
+    log.info("loading %s on %s (%s)", path, device_name, kwargs["dtype"])
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), **kwargs)
+    # PreTrainedModel.to is functools.wraps(nn.Module.to); typeshed's wraps result binds no self.
+    model = model.to(device_name).eval()  # pyright: ignore[reportArgumentType]
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(path))
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(str(path), backend="pil")
+    except Exception as exc:  # noqa: BLE001 - a checkpoint without an image processor still reads text
+        log.warning("no image processor in %s (%s): image states will be refused", path, exc)
+        image_processor = None
+    return hf_reader(model, hf_tokenizer, image_processor, options, checkpoint=str(path), progress=progress)
+
+
+def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_processor: Any, options: HFOptions, *,
+              checkpoint: str = "", progress: StartupProgress | None = None) -> HFReader:
+    """The reader over a model already on its device (loaded from a checkpoint, or random weights in
+    a bench): the fused experts and compiled layers the options ask for, the warm-up, the settled
+    heap. `serve` reaches this through `load_hf_reader`; a bench that builds random weights calls it
+    directly, so what it serves is built exactly as `djev serve` builds it."""
+    import torch
 
     from app.engine.hf.parts import text_config
     from app.engine.hf.runner import DiffusionRunner
     from app.engine.tokenizer import HFChatTokenizer
 
-    path = Path(checkpoint)
-    if options.torch_threads > 0:
-        torch.set_num_threads(options.torch_threads)
-    device_name = pick_device(options.device)
-    device = torch.device(device_name)
+    report = progress or _silent
+    device = next(model.parameters()).device
     on_cuda = device.type == "cuda"
-    kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if on_cuda else torch.float32, "attn_implementation": "sdpa"}
-    if on_cuda:
-        # The eager loop over experts is 13x slower on an H200 (docs/design.md §4.2).
-        kwargs["experts_implementation"] = "grouped_mm"
-    log.info("loading %s on %s (%s)", path, device_name, kwargs["dtype"])
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), **kwargs)
-    # PreTrainedModel.to is functools.wraps(nn.Module.to); typeshed's wraps result binds no self.
-    model = model.to(device).eval()  # pyright: ignore[reportArgumentType]
     if options.fused_moe and on_cuda:
         from app.engine.hf.moe.fused import use_fused_experts
 
@@ -62,12 +84,6 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> HFReader:
         from app.engine.hf.compiled import compile_layers
 
         compile_layers(model)
-    hf_tokenizer = AutoTokenizer.from_pretrained(str(path))
-    try:
-        image_processor = AutoImageProcessor.from_pretrained(str(path), backend="pil")
-    except Exception as exc:  # noqa: BLE001 - a checkpoint without an image processor still reads text
-        log.warning("no image processor in %s (%s): image states will be refused", path, exc)
-        image_processor = None
     image_token_id = model.config.image_token_id
     assert image_token_id is not None, "the checkpoint's config names no image token"
     tokenizer = HFChatTokenizer(
@@ -86,20 +102,25 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions) -> HFReader:
     if compiled:
         from app.engine.hf.compiled import warm_up
 
+        report("compiling", 0, 1)
         log.info("compiling the model's layers before the first request (TORCH_COMPILE) ...")
         log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
     settle_heap()  # at start-up, so the count's walk of the heap costs nothing under load
     log.info("%d objects set aside from the garbage collector's full passes", gc.get_freeze_count())
     device_label = torch.cuda.get_device_name(device) if on_cuda else "cpu"
     info = ReaderInfo(
-        model=options.served_name or path.name,
+        model=options.served_name or Path(checkpoint).name,
         engine="hf",
         device=device_label,
         tiny=options.tiny,
         canvas_length=options.canvas_length,
-        checkpoint=str(path),
+        checkpoint=checkpoint,
     )
     return HFReader(runner, tokenizer, info, options)
+
+
+def _silent(phase: str, done: int, total: int) -> None:
+    return None
 
 
 def _generation_settings(model: DiffusionGemmaForBlockDiffusion) -> dict[str, float]:
