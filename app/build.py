@@ -96,6 +96,8 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
         cuda_graphs=settings.hf.cuda_graphs,
         torch_compile=settings.hf.torch_compile,
         fused_moe=settings.hf.fused_moe,
+        canvas_step=settings.decisions.canvas_step,
+        max_images=settings.limits.max_images,
     )
 
 

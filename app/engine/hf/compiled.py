@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from app.engine.base import ReadSpec
+    from app.engine.base import Prompt, ReadSpec
     from app.engine.hf.layers import TextLayer
     from app.engine.hf.runner import DiffusionRunner
 
@@ -88,7 +88,7 @@ def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
     dropped."""
     import time
 
-    from app.engine.base import ImageInput, Prompt, ReadSpec
+    from app.engine.base import Prompt, ReadSpec
 
     started = time.perf_counter()
     width = max(4, canvas_length)
@@ -98,14 +98,21 @@ def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
                           ((0,) * width,), (1,), ((base, base + 1),)) for row in range(count)]
         _read_all(runner, specs)
     if getattr(runner, "image_processor", None) is not None and vision_layers(runner.model):
-        image_id = runner.config.image_token_id
-        assert image_id is not None  # a model with an image processor and a vision tower has an image token
-        ids = (*range(base, base + 32), int(image_id))
-        picture = ImageInput(_grey_jpeg(), "image/jpeg", "warm-up")
-        _read_all(runner, [ReadSpec(Prompt(ids, (picture,)), ((0,) * width,), (1,), ((base, base + 1),))])
+        _read_all(runner, [ReadSpec(sample_image_prompt(runner), ((0,) * width,), (1,), ((base, base + 1),))])
     runner.clear_caches()
     runner.stats.clear()  # the counters (and /metrics) start at the first request
     return time.perf_counter() - started
+
+
+def sample_image_prompt(runner: DiffusionRunner) -> Prompt:
+    """A short prompt of plain text ids and one grey camera-sized frame: the warm-up's image read,
+    and the patch layout the vision graphs are captured for."""
+    from app.engine.base import ImageInput, Prompt
+
+    base = min(1000, runner.vocab_size // 4)
+    image_id = runner.config.image_token_id
+    assert image_id is not None  # a model with an image processor and a vision tower has an image token
+    return Prompt((*range(base, base + 32), int(image_id)), (ImageInput(_grey_jpeg(), "image/jpeg", "warm-up"),))
 
 
 def _read_all(runner: DiffusionRunner, specs: list[ReadSpec]) -> None:

@@ -15,6 +15,8 @@ from app.engine.hf.reader import HFOptions, HFReader, settle_heap
 if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
 
+    from app.engine.hf.runner import DiffusionRunner
+
 log = logging.getLogger("djev.engine")
 
 
@@ -98,13 +100,29 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         max_rows=options.max_batch_rows,
         generation=_generation_settings(model),
         cuda_graphs=options.cuda_graphs,
+        canvas=options.canvas_length,
+        canvas_step=options.canvas_step,
+        max_images=options.max_images,
     )
+    if options.fused_moe and on_cuda:
+        from app.engine.hf.moe.fused import warm_up_experts
+
+        report("compiling the expert kernels", 0, 1)
+        log.info("every expert kernel tile compiled in %.1f s", warm_up_experts(model))
     if compiled:
         from app.engine.hf.compiled import warm_up
 
         report("compiling", 0, 1)
         log.info("compiling the model's layers before the first request (TORCH_COMPILE) ...")
         log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
+    if runner.graphs is not None:
+        prepare_graphs(runner, report)
+    if compiled:
+        import torch
+
+        # From here a shape torch.compile has not seen runs its pieces eagerly instead of compiling
+        # them while every client waits (none should come: the graphs' shapes are compiled above).
+        torch.compiler.set_stance("eager_on_recompile")
     settle_heap()  # at start-up, so the count's walk of the heap costs nothing under load
     log.info("%d objects set aside from the garbage collector's full passes", gc.get_freeze_count())
     device_label = torch.cuda.get_device_name(device) if on_cuda else "cpu"
@@ -117,6 +135,26 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         checkpoint=checkpoint,
     )
     return HFReader(runner, tokenizer, info, options)
+
+
+# GPU memory the graph capture leaves free for requests (eager passes, the prompt LRUs, a long
+# state's encoding): a shape that would take it is left out and runs eagerly, counted.
+GRAPH_RESERVE_BYTES = 12 * 2**30
+
+
+def prepare_graphs(runner: DiffusionRunner, progress: StartupProgress) -> None:
+    """Capture the shape policy's whole set (app/engine/hf/graphs/shapes.py) before `ready`, then
+    freeze it: nothing is captured while serving."""
+    import time
+
+    from app.engine.hf.compiled import sample_image_prompt
+
+    started = time.perf_counter()
+    sample = sample_image_prompt(runner) if runner.image_processor is not None else None
+    held = runner.prepare_graphs(progress, reserve_bytes=GRAPH_RESERVE_BYTES, sample_image=sample)
+    runner.clear_caches()
+    log.info("CUDA graphs captured in %.1f s: %s (%.2f GiB)", time.perf_counter() - started, held,
+             runner.graph_memory_bytes() / 2**30)
 
 
 def _silent(phase: str, done: int, total: int) -> None:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from transformers.image_processing_utils import BaseImageProcessor
 
     from app.engine.hf.graphs.encoder import EncoderGraphs
+    from app.engine.hf.graphs.shapes import ShapePolicy
     from app.engine.hf.graphs.vision import VisionGraphs
 
 K = TypeVar("K")
@@ -214,6 +215,7 @@ class PromptEncodingMixin:
     prefixes: PromptCache[int, tuple[tuple[int, ...], EncodedPrompt]]  # shared prefixes' (ids, KV), by chained hash
     prefix_index: PrefixIndex
     encoder_graphs: EncoderGraphs | None
+    policy: ShapePolicy
     vision_graphs: VisionGraphs | None
     stats: Counter[str]
     pad_id: int  # DiffusionRunner's
@@ -433,7 +435,7 @@ class PromptEncodingMixin:
         first that a pass over it fits. Only with encoder graphs (the static path runs passes over a
         prefix). Every prompt's prefixes are recorded for later ones."""
         graphs = self.encoder_graphs
-        if graphs is None or graphs.disabled is not None or self.prefixes.entries <= 0:
+        if graphs is None or self.prefixes.entries <= 0:
             return text, []
         whole: list[Pending] = []
         groups: dict[int, _PrefixGroup] = {}
@@ -547,25 +549,36 @@ class PromptEncodingMixin:
         for number, inputs in enumerate(expanded):
             if "pixel_values" in inputs and "image_features" not in inputs:
                 groups.setdefault(tuple(inputs["pixel_values"].shape[1:]), []).append(number)
-        encoder = self.model.model.encoder
         for members in groups.values():
             pixels = torch.cat([expanded[n]["pixel_values"] for n in members])
             positions = torch.cat([expanded[n]["image_position_ids"] for n in members])
-            features = self.vision_graphs.features(pixels, positions) if self.vision_graphs is not None else None
-            if features is None:
-                # @can_return_tuple takes return_dict; the signature it passes on does not say so.
-                output = encoder.get_image_features(pixels, positions, return_dict=True)  # pyright: ignore[reportCallIssue]
-                features = output.pooler_output
-                assert features is not None  # the tower's pooled features (ModelOutput declares every field optional)
-            else:
-                self.stats["vision_graph_replays"] += 1
-            self.stats["vision_passes"] += 1
-            features = features.reshape(-1, features.shape[-1]).to(self.model.dtype)
+            parts: list[torch.Tensor] = []
+            start = 0
+            # The images of many sessions in passes of the largest image bucket (each pads to a graph).
+            for count in self.policy.image_chunks(int(pixels.shape[0])):
+                parts.append(self._vision_pass(pixels[start:start + count], positions[start:start + count]))
+                start += count
+            features = torch.cat(parts) if len(parts) > 1 else parts[0]
             sizes = [int(expanded[n]["soft_token_counts"].sum()) for n in members]
             for n, chunk in zip(members, torch.split(features, sizes)):
                 expanded[n]["image_features"] = chunk
                 if digests[n]:
                     self.vision.put(digests[n], ([int(c) for c in expanded[n]["soft_token_counts"]], chunk))
+
+    def _vision_pass(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One vision tower pass over images of one patch layout: a graph replay where one is held,
+        else the library's forward; their soft-token features [tokens, hidden] in the model's dtype."""
+        features = self.vision_graphs.features(pixels, positions) if self.vision_graphs is not None else None
+        if features is None:
+            # @can_return_tuple takes return_dict; the signature it passes on does not say so.
+            encoder = self.model.model.encoder
+            output = encoder.get_image_features(pixels, positions, return_dict=True)  # pyright: ignore[reportCallIssue]
+            features = output.pooler_output
+            assert features is not None  # the tower's pooled features (ModelOutput declares every field optional)
+        else:
+            self.stats["vision_graph_replays"] += 1
+        self.stats["vision_passes"] += 1
+        return features.reshape(-1, features.shape[-1]).to(self.model.dtype)
 
     def input_embeds(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """A prompt's input embeddings [n, hidden] from its `model_inputs`, its image features (from

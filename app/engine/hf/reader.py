@@ -20,6 +20,7 @@ import gc
 import logging
 import os
 import sys
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ class HFOptions:
     cuda_graphs: bool  # replay decoder passes as CUDA graphs (CUDA only)
     torch_compile: bool  # compile the split layers and the vision layers, CUDA only (app/engine/hf/compiled.py)
     fused_moe: bool  # the experts as Triton kernels, CUDA only (app/engine/hf/moe/fused.py)
+    canvas_step: int = 16  # canvas widths are multiples of it (the decoder graphs' width buckets)
+    max_images: int = 8  # images a request may hold
 
 
 def settle_heap() -> None:
@@ -93,6 +96,24 @@ def built_count(runner: DiffusionRunner) -> int:
     if dynamo is not None:
         total += int(dynamo.counters["stats"].get("unique_graphs", 0))
     return total
+
+
+def compile_counts(runner: DiffusionRunner) -> tuple[int, int, int]:
+    """(CUDA graphs captured, graphs torch.compile has built, Triton kernels compiled) so far: after
+    `ready` none of them should grow (`HFReader` counts any that does, and the seconds of its pass)."""
+    captures = sum(getattr(getattr(runner, name, None), "captures", 0)
+                   for name in ("graphs", "encoder_graphs", "vision_graphs"))
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    compiled = int(dynamo.counters["stats"].get("unique_graphs", 0)) if dynamo is not None else 0
+    triton = 0
+    if "triton" in sys.modules:
+        from app.engine.hf.moe.fused import compiled_kernels
+
+        triton = compiled_kernels()
+    return captures, compiled, triton
+
+
+AFTER_READY = ("captures_after_ready", "recompiles_after_ready", "triton_compiles_after_ready")
 
 
 def _cache_keys(prompts: Sequence[Prompt]) -> list[CacheKey]:
@@ -162,6 +183,7 @@ class HFReader:
         self._busy = False  # the last read batch served several callers, or more were waiting
         self._last_rows = 0  # canvases in the last read batch: the callers likely to come back under load
         self._built = built_count(runner)  # graphs captured and compiled when the heap was last settled
+        self._compiled = compile_counts(runner)  # as of `start` (ready), then of the last pass
         self._image_executor: ThreadPoolExecutor | None = None
         self._images_held = 0  # preprocessed images reserved or riding with queued jobs
 
@@ -186,6 +208,9 @@ class HFReader:
                 raise RuntimeError("this reader already runs in another event loop; give each app its own reader")
             return
         self._event_loop = loop
+        self._compiled = compile_counts(self.runner)
+        for name in AFTER_READY:
+            self.runner.stats[name] += 0  # exported from the first scrape on, at 0
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="djev-engine",
                                             initializer=self._setup_engine_thread)
@@ -381,8 +406,18 @@ class HFReader:
                 rows += job.rows
         return rows
 
-    def _settle_if_built(self) -> None:
-        """After a pass that captured or compiled a new graph, set the heap aside again."""
+    def _settle_if_built(self, seconds: float = 0.0) -> None:
+        """After a pass: count what it captured or compiled since `ready` (none should: the shape
+        policy's set is captured and compiled before), with the pass's `seconds`; and if it built
+        anything, set the heap aside again."""
+        counts = compile_counts(self.runner)
+        if counts != self._compiled:
+            for name, now, before in zip(AFTER_READY, counts, self._compiled):
+                if now > before:
+                    self.runner.stats[name] += now - before
+                    self.runner.stats[name + "_ms"] += round(seconds * 1000)
+            log.warning("a pass captured or compiled after ready (%s -> %s, %.2f s)", self._compiled, counts, seconds)
+            self._compiled = counts
         built = built_count(self.runner)
         if built != self._built:
             self._built = built
@@ -396,6 +431,7 @@ class HFReader:
         images: dict[tuple[str, ...], ProcessedImages | EngineInputError] = {}
         for job in batch:
             images.update(self._release(job))
+        started = time.perf_counter()
         try:
             results = await loop.run_in_executor(self._executor, self.runner.read, specs, images)
         except asyncio.CancelledError:
@@ -411,7 +447,7 @@ class HFReader:
             for job in batch:
                 self._fail(job, EngineError(f"engine failure: {describe(exc)}"))
             return
-        self._settle_if_built()
+        self._settle_if_built(time.perf_counter() - started)
         self.runner.stats["batches"] += 1
         offset = 0
         for job in batch:
@@ -427,6 +463,7 @@ class HFReader:
 
     async def _generation_turn(self, loop: asyncio.AbstractEventLoop, job: _GenerateJob) -> None:
         """One model pass of a generation (its prompt encoding is the first), then back in line."""
+        started = time.perf_counter()
         try:
             chunk = await loop.run_in_executor(self._executor, self._generation_pass, job, self._release(job))
         except asyncio.CancelledError:
@@ -439,7 +476,7 @@ class HFReader:
             log.exception("engine failure during generation")
             self._fail(job, EngineError(f"engine failure: {describe(exc)}"))
             return
-        self._settle_if_built()
+        self._settle_if_built(time.perf_counter() - started)
         if chunk is not None:
             job.chunks.put_nowait(chunk)
             if chunk.done:

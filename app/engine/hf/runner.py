@@ -16,14 +16,17 @@ slots, so a 262k-token vocabulary costs rows x slots, not rows x canvas width.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from app.engine.base import ReadResult, ReadSpec, SlotRead
+from app.engine.base import Prompt, ReadResult, ReadSpec, SlotRead, StartupProgress
 from app.engine.hf.generation import GenerationMixin
+from app.engine.hf.graphs.shapes import ShapePolicy
 from app.engine.hf.parts import layer_types, text_config
 from app.engine.hf.pixels import splittable
 from app.engine.hf.prompts import (
@@ -39,6 +42,12 @@ from app.engine.hf.sampler import sample_step, softcap, temperature_at
 if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.image_processing_utils import BaseImageProcessor
+
+    from app.engine.hf.graphs.decoder import DecoderGraphs
+    from app.engine.hf.graphs.encoder import EncoderGraphs
+    from app.engine.hf.graphs.vision import VisionGraphs
+
+log = logging.getLogger("djev.engine")
 
 # HF's sampler defaults for DiffusionGemma (DiffusionGemmaGenerationConfig._get_default_generation_params);
 # a checkpoint's generation_config.json overrides them.
@@ -69,6 +78,9 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         max_rows: int,
         generation: dict[str, float] | None = None,
         cuda_graphs: bool = False,
+        canvas: int = 128,
+        canvas_step: int = 16,
+        max_images: int = 8,
     ) -> None:
         self.model = model
         self.image_processor = image_processor
@@ -90,21 +102,77 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self.prefix_index = PrefixIndex()
         self.generation = {**GENERATION_DEFAULTS, **(generation or {})}
         self.stats: Counter[str] = Counter()
-        self.graphs = None
-        self.encoder_graphs = None
-        self.vision_graphs = None
+        self.policy = ShapePolicy(max_rows=self.max_rows, canvas=canvas, canvas_step=canvas_step,
+                                  max_prompt_tokens=max_prompt_tokens, max_images=max_images,
+                                  sliding_window=int(getattr(self.text_config, "sliding_window", None) or max_prompt_tokens))
+        self.graphs: DecoderGraphs | None = None
+        self.encoder_graphs: EncoderGraphs | None = None
+        self.vision_graphs: VisionGraphs | None = None
         if cuda_graphs and device.type == "cuda":
-            from app.engine.hf.graphs.decoder import DecoderGraphs
-            from app.engine.hf.graphs.encoder import EncoderGraphs
-            from app.engine.hf.graphs.vision import VisionGraphs
+            self.use_graphs(capture=True)
 
-            if getattr(model.model.encoder, "vision_tower", None) is not None:
-                self.vision_graphs = VisionGraphs(model, device, capture=True)
+    def use_graphs(self, *, capture: bool) -> None:
+        """Give the runner its decoder, encoder and vision graphs over one memory pool (with
+        `capture=False`, the same static-buffer paths run eagerly: how the CPU tests check them)."""
+        from app.engine.hf.graphs.decoder import DecoderGraphs
+        from app.engine.hf.graphs.encoder import EncoderGraphs
+        from app.engine.hf.graphs.vision import VisionGraphs
 
-            self.graphs = DecoderGraphs(model, self.layer_types, device, pad_id=self.pad_id, capture=True)
-            self.encoder_graphs = EncoderGraphs(model, self.layer_types, device, capture=True,
-                                                sliding_window=int(self.text_config.sliding_window))
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        model = self.model
+        if getattr(model.model.encoder, "vision_tower", None) is not None:
+            self.vision_graphs = VisionGraphs(model, self.device, capture=capture, stats=self.stats, pool=pool,
+                                              buckets=self.policy.image_buckets)
+        self.graphs = DecoderGraphs(model, self.layer_types, self.device, pad_id=self.pad_id, capture=capture,
+                                    policy=self.policy, stats=self.stats, pool=pool)
+        self.encoder_graphs = EncoderGraphs(model, self.layer_types, self.device, capture=capture, policy=self.policy,
+                                            sliding_window=self.policy.sliding_window, stats=self.stats, pool=pool)
 
+    @torch.no_grad()
+    def prepare_graphs(self, progress: StartupProgress | None = None, *, reserve_bytes: int = 0,
+                       sample_image: Prompt | None = None) -> dict[str, int]:
+        """Capture every graph of the shape policy's set before the server is ready, most used shapes
+        first, while the device keeps `reserve_bytes` free (a shape left out runs eagerly, counted),
+        then freeze the caches: nothing is captured after this. `sample_image` (a prompt of one
+        image) gives the vision graphs their patch layout. Returns the graphs held per kind."""
+        report = progress or (lambda phase, done, total: None)
+        decoder, encoder, vision = self.graphs, self.encoder_graphs, self.vision_graphs
+        jobs: list[tuple[str, Callable[[], object]]] = []
+        if decoder is not None:
+            jobs += [("decoder", partial(decoder.prepare, key)) for key in self.policy.decoder_keys()]
+        if encoder is not None:
+            jobs += [("encoder", partial(encoder.prepare, key)) for key in self.policy.encoder_keys()]
+        if vision is not None and sample_image is not None and self.image_processor is not None:
+            inputs = self.model_inputs(sample_image)
+            jobs.append(("vision", partial(vision.prepare, inputs["pixel_values"], inputs["image_position_ids"])))
+        skipped: Counter[str] = Counter()
+        for done, (kind, job) in enumerate(jobs):
+            if done % 8 == 0:
+                report("capturing graphs", done, len(jobs))
+            if reserve_bytes and self.device.type == "cuda" and torch.cuda.mem_get_info(self.device)[0] < reserve_bytes:
+                skipped[kind] += 1
+                continue
+            job()
+        report("capturing graphs", len(jobs), len(jobs))
+        if skipped:
+            log.warning("graphs left out to keep %.1f GiB of GPU memory free (their passes run eagerly): %s",
+                        reserve_bytes / 2**30, dict(skipped))
+        self.freeze_graphs()
+        return self.graphs_held()
+
+    def graph_memory_bytes(self) -> int:
+        return sum(graphs.memory_bytes for graphs in (self.graphs, self.encoder_graphs) if graphs is not None)
+
+    def graphs_held(self) -> dict[str, int]:
+        return {name: len(graphs.cache) for name, graphs in
+                (("decoder", self.graphs), ("encoder", self.encoder_graphs), ("vision", self.vision_graphs))
+                if graphs is not None}
+
+    def freeze_graphs(self) -> None:
+        """From now on a shape without a graph runs eagerly (counted): nothing is captured."""
+        for graphs in (self.graphs, self.encoder_graphs, self.vision_graphs):
+            if graphs is not None:
+                graphs.cache.freeze()
 
     def clear_caches(self) -> None:
         """Forget every encoded prompt, image feature and shared prefix (the warm-up's)."""
@@ -130,6 +198,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
                 self.stats["decoder_rows"] += len(rows)
                 self.stats["graph_replays"] += 1
                 return replayed
+            self.stats["decoder_eager_passes"] += 1
 
         batch = len(rows)
         width = max(len(canvas) for _, canvas in rows)

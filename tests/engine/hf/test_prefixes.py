@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from app.engine.base import Prompt
-from app.engine.hf.graphs.encoder import EAGER_STEP
+from app.engine.hf.graphs.shapes import EAGER_STEP
 from app.engine.hf.prompts import PrefixIndex, PromptCache
 from tests.engine.hf.graphs.test_encoder import assert_same_kv, graphed_runner
 

@@ -212,14 +212,14 @@ def test_batched_prefill_equals_single_prefill(tiny_dir, tokenizer):
 
 
 def test_the_static_buffer_path_of_cuda_graphs_equals_the_eager_pass(tiny_reader, tokenizer):
-    """The graph path's bucketing (rows to a power of two, KV to 256), left padding, masks and padding
-    rows, run eagerly on the CPU (capture=False), give the eager pass's hidden states."""
+    """The graph path's bucketing (rows to a power of two, KV doubling from 256), left padding, masks
+    and padding rows, run eagerly on the CPU (capture=False), give the eager pass's hidden states."""
     import torch
 
     from app.engine.hf.graphs.decoder import DecoderGraphs, bucket_length, bucket_rows
 
     assert [bucket_rows(n) for n in (1, 2, 3, 5, 33)] == [1, 2, 4, 8, 64]
-    assert [bucket_length(n) for n in (1, 256, 257)] == [256, 256, 512]
+    assert [bucket_length(n) for n in (1, 256, 257, 513)] == [256, 256, 512, 1024]
     runner = tiny_reader.runner
     specs = [
         spec_for(tokenizer, "short", "q1: yes", [5, 6]),
@@ -230,13 +230,14 @@ def test_the_static_buffer_path_of_cuda_graphs_equals_the_eager_pass(tiny_reader
         rows = [(encoded[0], list(specs[0].canvases[0])), (encoded[0], list(specs[0].canvases[1])),
                 (encoded[1], list(specs[1].canvases[0]))]
         eager = runner.decoder_hidden(rows)
-        graphs = DecoderGraphs(runner.model, runner.layer_types, runner.device, pad_id=runner.pad_id, capture=False)
+        graphs = DecoderGraphs(runner.model, runner.layer_types, runner.device, pad_id=runner.pad_id, capture=False,
+                               policy=runner.policy)
         static = graphs.hidden(rows)
         again = graphs.hidden(rows[:2])  # a smaller batch reuses... a different bucket, built once
     assert static.shape == eager.shape
     assert torch.allclose(static, eager, atol=1e-4)
     assert torch.allclose(again, eager[:2], atol=1e-4)
-    assert len(graphs.graphs) == 2 and graphs.disabled is None
+    assert len(graphs.cache) == 2 and not graphs.cache.failed
 
 
 def test_loading_sets_the_heap_aside_from_the_collectors_passes(tiny_dir):

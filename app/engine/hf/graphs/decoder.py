@@ -1,31 +1,35 @@
 """CUDA-graph replay of the decoder pass.
 
-A read is loaded into static buffers of a bucketed shape (rows, prompt KV length, canvas width) and
-the graph captured for that shape is replayed; it reads what the eager path reads. Graphs share one
-memory pool and one set of static KV buffers and are kept in a small LRU; shapes past the size
-caps, or a capture that fails, go down the eager path. With `capture=False` the same static-buffer
-path runs eagerly: that is how the CPU tests check the bucketing, padding and masks against the
-plain path. Design and numbers: docs/design.md §4.7 and §5.2.
+A read is loaded into static buffers of a bucketed shape (rows, canvas width, prompt KV length:
+app/engine/hf/graphs/shapes.py) and the graph captured for that shape is replayed; it reads what the
+eager path reads (padding rows, canvas positions and KV slots are masked out). Graphs share one
+memory pool and one set of static buffers, and are held in a GraphCache (app/engine/hf/graphs/cache.py):
+captured before `ready`, never evicted; a shape outside the set goes down the eager path, counted.
+With `capture=False` the same static-buffer path runs eagerly: that is how the CPU tests check the
+bucketing, padding and masks against the plain path. Design and numbers: docs/design.md §4.7, §4.8, §5.2.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from app.engine.hf.graphs.cache import GraphCache, capture
 from app.engine.hf.graphs.encoder import copy_all, shared_view
-from app.engine.hf.parts import decoder_layers, text_config
+from app.engine.hf.graphs.shapes import FIRST_KV_BUCKET, DecoderKey, ShapePolicy, doubling
+from app.engine.hf.parts import decoder_layers, encoder_layers, text_config
 
 if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.cache_utils import Cache
     from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaDecoderTextAttention
 
+    from app.engine.hf.graphs.cache import PoolHandle
     from app.engine.hf.prompts import EncodedPrompt
 
     # A row of a decoder pass: a prompt's KV and the canvas read over it.
@@ -33,18 +37,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("djev.engine")
 
-KV_BUCKET = 256
-
 
 def bucket_rows(rows: int) -> int:
-    size = 1
-    while size < rows:
-        size *= 2
-    return size
+    """Rows padded up to a power of two."""
+    return doubling(1, rows)[-1]
 
 
 def bucket_length(length: int) -> int:
-    return max(KV_BUCKET, -(-length // KV_BUCKET) * KV_BUCKET)
+    """A prompt's KV length padded up to FIRST_KV_BUCKET, twice that, four times, ..."""
+    return doubling(FIRST_KV_BUCKET, length)[-1]
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,9 @@ class DecoderGraphs:
         *,
         pad_id: int,
         capture: bool,
-        max_graphs: int = 32,
-        max_token_slots: int = 36 * 1024,
-        max_conditioning: int = 1 << 29,
+        policy: ShapePolicy,
+        stats: Counter[str] | None = None,
+        pool: PoolHandle | None = None,
     ) -> None:
         self.model = model
         self.layer_types = list(layer_types)
@@ -128,84 +129,75 @@ class DecoderGraphs:
         self.device = device
         self.pad_id = pad_id
         self.capture = capture
-        self.max_graphs = max_graphs
-        self.max_token_slots = max_token_slots
-        self.max_conditioning = max_conditioning  # rows x width x vocab elements (1 GiB in bf16 at the default)
-        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.disabled: str | None = None
-        self.captures = 0
+        self.policy = policy
+        self.stats: Counter[str] = stats if stats is not None else Counter()
+        self.cache: GraphCache[DecoderKey, _Graph] = GraphCache("decoder", self._build, self.stats)
+        self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
+        self.vocab = int(text_config(model).vocab_size)
         self._storage: dict[str, torch.Tensor] = {}
         for layer in decoder_layers(model):
             append_in_place(layer.self_attn)
 
-    def key(self, rows: Sequence[Row], conditioning: torch.Tensor | None = None) -> tuple | None:
+    @property
+    def captures(self) -> int:
+        return sum(1 for graph in self.cache.graphs() if graph.graph is not None)
+
+    def key(self, rows: Sequence[Row], conditioning: torch.Tensor | None = None) -> DecoderKey | None:
         width = max(len(canvas) for _, canvas in rows)
-        lengths = {t: bucket_length(max(encoded.layers[index][0].shape[2] for encoded, _ in rows))
-                   for t, index in self.first_layer.items()}
-        batch = bucket_rows(len(rows))
-        if batch * (max(lengths.values()) + width) > self.max_token_slots:
+        if conditioning is not None and tuple(conditioning.shape[:2]) != (len(rows), width):
             return None
-        if conditioning is not None:
-            if tuple(conditioning.shape[:2]) != (len(rows), width):
-                return None
-            if batch * width * conditioning.shape[2] > self.max_conditioning:
-                return None
-        return (batch, width, tuple(sorted(lengths.items())), conditioning is not None)
+        longest = max(encoded.layers[index][0].shape[2] for encoded, _ in rows for index in self.first_layer.values())
+        return self.policy.decoder_key(len(rows), width, longest, conditioning is not None)
 
     def hidden(self, rows: Sequence[Row], conditioning: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The decoder's hidden states for `rows` ([len(rows), width, hidden]), or None to go eager.
+        """The decoder's hidden states for `rows` ([len(rows), width, hidden]), or None to go eager
+        (a shape outside the captured set: counted by the cache).
 
         The tensor lives in the graphs' shared memory pool: it is valid until the next call, so the
-        caller reads it right away (as DiffusionRunner does). Batches past `max_token_slots`
-        (rows x (KV + canvas); the shared KV buffers hold that many tokens, about 7.7 GiB for the
-        full model at the default, enough for 64 rows of 512-token prompts) stay eager: they are
-        GPU-bound, where launch overhead no longer matters.
-
-        `conditioning` ([rows, width, vocab], the previous step's processed logits) selects graphs
-        with a static self-conditioning input: a multi-step read's later steps and every denoise pass
-        of a generation after the first of its block. Past `max_conditioning` elements it goes eager."""
-        if self.disabled is not None:
+        caller reads it right away (as DiffusionRunner does). `conditioning` ([rows, width, vocab],
+        the previous step's processed logits) selects graphs with a static self-conditioning input: a
+        multi-step read's later steps and every denoise pass of a generation after the first of its
+        block. A failure while loading or replaying fails this pass only."""
+        graph = self.cache.get(self.key(rows, conditioning))
+        if graph is None:
             return None
-        key = self.key(rows, conditioning)
-        if key is None:
-            return None
-        graph = self.graphs.get(key)
-        try:
-            if graph is None:
-                graph = self._build(key, rows)
-            else:
-                self.graphs.move_to_end(key)
-            self._load(graph, rows, conditioning)
-            if graph.graph is not None:
-                graph.graph.replay()
-                output = graph.output
-            else:
-                output = self._forward(graph)
-        except Exception as exc:  # noqa: BLE001 - a capture that fails must not fail reads: go eager
-            self.disabled = f"{type(exc).__name__}: {exc}"
-            self.graphs.clear()
-            log.warning("CUDA graphs disabled, decoder passes run eagerly: %s", self.disabled)
-            return None
+        self._load(graph, rows, conditioning)
+        if graph.graph is not None:
+            graph.graph.replay()
+            output = graph.output
+        else:
+            output = self._forward(graph)
         assert output is not None
-        return output[: len(rows)]
+        width = max(len(canvas) for _, canvas in rows)
+        return output[: len(rows), :width]
 
     # ------------------------------------------------------------------ building
 
-    def _build(self, key: tuple, rows: Sequence[Row]) -> _Graph:
-        batch, width, lengths_items, conditioned = key
-        lengths = dict(lengths_items)
-        first = rows[0][0]
+    def prepare(self, key: DecoderKey) -> bool:
+        """Build (capture) the graph for `key` ahead of use; False where it cannot be built."""
+        return key in self.cache or self.cache.build(key) is not None
+
+    def _kv_shapes(self) -> list[tuple[int, int]]:
+        """(KV heads, head dim) of each layer's prompt KV, as the encoder's attention writes it."""
+        shapes = []
+        for layer in encoder_layers(self.model):
+            attention = layer.self_attn
+            shapes.append((attention.k_proj.out_features // attention.head_dim, attention.head_dim))
+        return shapes
+
+    def _build(self, key: DecoderKey) -> _Graph:
+        batch, width, full, sliding, conditioned = key
+        lengths = {t: sliding if t == "sliding_attention" else full for t in self.first_layer}
+        dtype = self.model.dtype
         keys, values = [], []
         cache = DynamicCache()
-        for index, layer_type in enumerate(self.layer_types):
-            k, v = first.layers[index]
+        for index, ((heads, dim), layer_type) in enumerate(zip(self._kv_shapes(), self.layer_types)):
             length = lengths[layer_type]
             # Room for the canvas after the prompt: the pass writes its own KV there (CanvasKV).
             # Token-major ([rows, tokens, heads, dim], seen as [rows, heads, tokens, dim]): a row's
             # prompt KV is one contiguous block, loaded with the whole batch in one foreach copy.
-            full_k = self._view(f"k{index}", (batch, length + width, k.shape[1], k.shape[3]), k.dtype).transpose(1, 2)
-            full_v = self._view(f"v{index}", (batch, length + width, v.shape[1], v.shape[3]), v.dtype).transpose(1, 2)
+            full_k = self._view(f"k{index}", (batch, length + width, heads, dim), dtype).transpose(1, 2)
+            full_v = self._view(f"v{index}", (batch, length + width, heads, dim), dtype).transpose(1, 2)
             keys.append(full_k[:, :, :length])
             values.append(full_v[:, :, :length])
             layer = CanvasLayer(CanvasKV(full_k, full_v, length))
@@ -221,40 +213,29 @@ class DecoderGraphs:
                    for t, n in lengths.items()},
             cache=cache,
         )
-        # Measured from here: the graph's own self-conditioning input (rows x width x vocab, held per
-        # graph) counts in `memory` with what the capture adds.
-        before = torch.cuda.memory_allocated(self.device) if self.capture else 0
-        if conditioned:
-            graph.conditioning = torch.zeros((batch, width, text_config(self.model).vocab_size),
-                                             dtype=self.model.dtype, device=self.device)
-        self._load(graph, rows, None)
+        if conditioned:  # one shared input: graphs never run at once
+            flat = self._view("conditioning", (batch, width, self.vocab), dtype, slots=self.policy.conditioned_rows
+                              * self.policy.canvas)
+            graph.conditioning = flat
+        self._load(graph, [], None)
         if self.capture:
-            stream = torch.cuda.Stream(device=self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up outside the capture (allocator, cuBLAS/cuDNN plans)
-                    self._forward(graph)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            cuda_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cuda_graph, pool=self.pool):
-                graph.output = self._forward(graph)
-            graph.graph = cuda_graph
+            before = torch.cuda.memory_allocated(self.device)
+            graph.graph, output = capture(lambda: self._forward(graph), self.pool, self.device)
+            assert isinstance(output, torch.Tensor)
+            graph.output = output
             graph.memory = torch.cuda.memory_allocated(self.device) - before
-            self.captures += 1
-        self.graphs[key] = graph
-        while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
         return graph
 
-    def _view(self, name: str, shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
-        """A static KV buffer [rows, tokens, heads, dim] (each replay reloads its KV)."""
-        return shared_view(self._storage, name, shape, dtype, self.device, self.max_token_slots)
+    def _view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, slots: int | None = None) -> torch.Tensor:
+        """A static buffer [rows, tokens, ...] over shared storage (each replay reloads it)."""
+        return shared_view(self._storage, name, shape, dtype, self.device,
+                           self.policy.decoder_slots if slots is None else slots)
 
     @property
     def memory_bytes(self) -> int:
-        """GPU memory of the shared KV buffers plus what each capture added when it was built."""
+        """GPU memory of the shared buffers plus what each capture added when it was built."""
         shared = sum(t.numel() * t.element_size() for t in self._storage.values())
-        return shared + sum(graph.memory for graph in self.graphs.values())
+        return shared + sum(graph.memory for graph in self.cache.graphs())
 
     def _forward(self, graph: _Graph) -> torch.Tensor:
         return self.model.model(
@@ -267,9 +248,10 @@ class DecoderGraphs:
 
     def _load(self, graph: _Graph, rows: Sequence[Row], conditioning: torch.Tensor | None) -> None:
         """Copy a batch into the static buffers: KV left-padded to the bucket, masks, canvas, positions
-        (and the self-conditioning logits, for graphs keyed with them)."""
+        (and the self-conditioning logits, for graphs keyed with them). Padding rows and positions
+        attend to their own canvas only: no NaN, and nothing real reads them."""
         if graph.conditioning is not None and conditioning is not None:
-            graph.conditioning[: len(rows)].copy_(conditioning)
+            graph.conditioning[: len(rows), : conditioning.shape[1]].copy_(conditioning)
         width = graph.width
         masks = {t: torch.zeros(graph.masks[t].shape, dtype=torch.bool) for t in graph.lengths}
         canvas = torch.full((graph.rows, width), self.pad_id, dtype=torch.long)

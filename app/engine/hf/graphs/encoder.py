@@ -2,41 +2,36 @@
 
 A batch of prompts (their input embeddings, right-padded to a bucket of rows and length, optionally
 over a shared prefix's KV) is encoded by replaying a graph captured for its bucket, and each row's
-KV is copied out exactly as an eager pass stores it. Batches whose buckets hold EAGER_TOKENS tokens
-or more run the same static path without a graph; prompts past the largest bucket, or batches past
-the size cap, return None for the caller to encode eagerly. With `capture=False` the static path
-runs eagerly: that is how the CPU tests check it against the eager encoder. Design and the numbers
-behind it: docs/design.md §4.7 and §5.2.
+KV is copied out exactly as an eager pass stores it. The buckets and the captured set are the shape
+policy's (app/engine/hf/graphs/shapes.py); the graphs are held in a GraphCache
+(app/engine/hf/graphs/cache.py), captured before `ready` and never evicted. Batches whose buckets hold
+EAGER_TOKENS tokens or more run the same static path without a graph; prompts past the largest
+bucket, or batches past the size cap, return None for the caller to encode eagerly (counted). With
+`capture=False` the static path runs eagerly: that is how the CPU tests check it against the eager
+encoder. Design and the numbers behind it: docs/design.md §4.7, §4.8 and §5.2.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
+from app.engine.hf.graphs.cache import GraphCache, capture
+from app.engine.hf.graphs.shapes import EncoderKey, ShapePolicy
 from app.engine.hf.parts import encoder_layers
 
 if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
 
+    from app.engine.hf.graphs.cache import PoolHandle
+
 log = logging.getLogger("djev.engine")
-
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
-# Fine steps where batches are large (a padded token costs a token's full compute: at 32 rows of
-# 300-token prompts a 512 bucket made the encoder 1.7x slower than 320 would), coarse where prompts
-# are long and batches small. Every bucket is captured only when a batch needs it.
-LENGTH_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096)
-
-# A batch whose buckets hold this many tokens (rows x length) or more runs without a graph, unpadded
-# but for EAGER_STEP (chosen by bench_gpu_decisions --eager-tokens: 8192 against 4096 at 32 clients).
-EAGER_TOKENS = 8192
-EAGER_STEP = 8
 
 # One encoded prompt as the decoder reads it: per layer (keys, values), each [1, heads, n, dim].
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
@@ -81,15 +76,6 @@ def shared_view(storage: dict[str, torch.Tensor], name: str, shape: tuple[int, .
     return buffer[: math.prod(shape)].view(shape)
 
 
-def _round_up(value: int) -> int:
-    return -(-value // EAGER_STEP) * EAGER_STEP
-
-
-def bucket_of(value: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket that holds `value`, or None past the largest."""
-    return next((bucket for bucket in buckets if bucket >= value), None)
-
-
 class _StaticKV:
     """What the encoder's attention layers write through: each layer's keys and values are copied
     into static buffers (views of storage shared by every graph: graphs never run at once, and a
@@ -114,10 +100,6 @@ class _StaticKV:
         return keys, values
 
 
-# A static pass's shape: (rows, suffix length, prefix slots); prefix slots are 0 without a prefix.
-Key = tuple[int, int, int]
-
-
 @dataclass
 class _Graph:
     rows: int
@@ -137,11 +119,9 @@ class EncoderGraphs:
         *,
         sliding_window: int,
         capture: bool,
-        max_graphs: int = 32,
-        max_token_slots: int = 16 * 1024,
-        eager_tokens: int = EAGER_TOKENS,
-        row_buckets: Sequence[int] = ROW_BUCKETS,
-        length_buckets: Sequence[int] = LENGTH_BUCKETS,
+        policy: ShapePolicy,
+        stats: Counter[str] | None = None,
+        pool: PoolHandle | None = None,
     ) -> None:
         self.encoder = model.model.encoder
         self.text_model = self.encoder.language_model
@@ -150,19 +130,18 @@ class EncoderGraphs:
         self.device = device
         self.sliding_window = sliding_window
         self.capture = capture
-        self.max_graphs = max_graphs
-        self.max_token_slots = max_token_slots
-        self.eager_tokens = eager_tokens
-        self.row_buckets = tuple(row_buckets)
-        self.length_buckets = tuple(length_buckets)
-        self.graphs: OrderedDict[Key, _Graph] = OrderedDict()
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.disabled: str | None = None
-        self.captures = 0
+        self.policy = policy
+        self.stats: Counter[str] = stats if stats is not None else Counter()
+        self.cache: GraphCache[EncoderKey, _Graph] = GraphCache("encoder", self._build, self.stats)
+        self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self.last_graphed = False  # whether the last pass was a replay (else unbucketed, eager)
         self._storage: dict[str, torch.Tensor] = {}  # flat buffers every graph's static tensors view
         # A shared prefix's length, read by every graph at replay (graphs never run at once).
         self.prefix_length = torch.zeros(1, dtype=torch.long, device=device)
+
+    @property
+    def captures(self) -> int:
+        return sum(1 for graph in self.cache.graphs() if graph.graph is not None)
 
     @property
     def buffers(self) -> Mapping[str, torch.Tensor]:
@@ -175,34 +154,23 @@ class EncoderGraphs:
         """GPU memory the graphs hold: the shared static buffers (inputs and KV of the largest batch)
         plus what each capture added to the pool when it was built."""
         shared = sum(t.numel() * t.element_size() for t in self.buffers.values())
-        return shared + sum(graph.memory for graph in self.graphs.values())
+        return shared + sum(graph.memory for graph in self.cache.graphs())
 
-    def key(self, rows: int, longest: int, prefix: int = 0) -> Key | None:
-        """(rows, length, prefix slots) of the static pass for a batch of `rows` suffixes of at most
-        `longest` tokens over a shared prefix of `prefix` tokens (0: none): its buckets (the prefix's
-        slots a length bucket too), or where the buckets hold `eager_tokens` (EAGER_TOKENS) or more,
-        its own rows and its lengths rounded up to EAGER_STEP; None past the caps, and for a prefix
-        whose pass would not fit the sliding window."""
-        batch = bucket_of(rows, self.row_buckets)
-        length = bucket_of(longest, self.length_buckets)
-        slots = bucket_of(prefix, self.length_buckets) if prefix else 0
-        if batch is None or length is None or slots is None:
-            return None
-        if batch * length >= self.eager_tokens:
-            batch, length, slots = rows, _round_up(longest), _round_up(prefix)
-        if batch * (slots + length) > self.max_token_slots or (slots and slots + length > self.sliding_window):
-            return None
-        return batch, length, slots
+    def key(self, rows: int, longest: int, prefix: int = 0) -> EncoderKey | None:
+        """The static pass's shape for `rows` suffixes of at most `longest` tokens over a prefix of
+        `prefix` tokens: `ShapePolicy.encoder_key`."""
+        return self.policy.encoder_key(rows, longest, prefix)
 
-    def graphed(self, key: Key) -> bool:
-        """Whether the pass for `key` is replayed from a graph: buckets under `eager_tokens` (an
-        unbucketed key is never one: its buckets would hold more)."""
-        rows, length, slots = key
-        return (rows in self.row_buckets and length in self.length_buckets and rows * length < self.eager_tokens
-                and (not slots or slots in self.length_buckets))
+    def graphed(self, key: EncoderKey) -> bool:
+        """Whether the pass for `key` is replayed from a graph (`ShapePolicy.encoder_graphed`)."""
+        return self.policy.encoder_graphed(key)
 
     def fits(self, rows: int, longest: int, prefix: int = 0) -> bool:
-        return self.disabled is None and self.key(rows, longest, prefix) is not None
+        return self.key(rows, longest, prefix) is not None
+
+    def prepare(self, key: EncoderKey) -> bool:
+        """Build (capture) the graph for `key` ahead of use; False where it cannot be built."""
+        return key in self.cache or self.cache.build(key) is not None
 
     # ------------------------------------------------------------------ encoding
 
@@ -234,34 +202,30 @@ class EncoderGraphs:
 
         return self._run(key, [int(embeds.shape[0]) for embeds in rows], load)
 
-    def _key_or_none(self, rows: int, longest: int, prefix: int) -> Key | None:
-        if self.disabled is not None or rows == 0 or longest == 0:
+    def _key_or_none(self, rows: int, longest: int, prefix: int) -> EncoderKey | None:
+        if rows == 0 or longest == 0:
             return None
-        return self.key(rows, longest, prefix)
+        key = self.key(rows, longest, prefix)
+        if key is None:
+            self.stats["encoder_graph_fallbacks"] += 1
+        return key
 
-    def _run(self, key: Key, lengths: list[int], load: Callable[[_Graph], object],
+    def _run(self, key: EncoderKey, lengths: list[int], load: Callable[[_Graph], object],
              prefix: tuple[Layers, int] | None = None) -> list[Layers] | None:
-        try:
-            self.last_graphed = self.graphed(key)
-            graph = self.graphs.get(key)
-            if graph is None:
-                graph = self._build(key)
-                if self.last_graphed:
-                    self._hold(key, graph)
-            else:
-                self.graphs.move_to_end(key)
-            load(graph)
-            prefix_length = self._load_prefix(graph, prefix) if prefix else 0
-            if graph.graph is not None:
-                graph.graph.replay()
-            else:
-                self._forward(graph)
-            return self._rows_layers(graph, lengths, prefix_length)
-        except Exception as exc:  # noqa: BLE001 - a capture that fails must not fail reads: go eager
-            self.disabled = f"{type(exc).__name__}: {exc}"
-            self.graphs.clear()
-            log.warning("encoder CUDA graphs disabled, prompts are encoded eagerly: %s", self.disabled)
+        """The pass for `key`: a held graph's replay, or for an unbucketed key the static path
+        without a graph; None (the caller encodes eagerly) where a graphed key has no graph (frozen
+        and not held, or its capture failed: counted). A failure while replaying fails this pass."""
+        self.last_graphed = self.graphed(key)
+        graph = self.cache.get(key) if self.last_graphed else self._build(key)
+        if graph is None:
             return None
+        load(graph)
+        prefix_length = self._load_prefix(graph, prefix) if prefix else 0
+        if graph.graph is not None:
+            graph.graph.replay()
+        else:
+            self._forward(graph)
+        return self._rows_layers(graph, lengths, prefix_length)
 
     def _load_prefix(self, graph: _Graph, prefix: tuple[Layers, int]) -> int:
         """The shared prefix's KV into every row's first slots, right-aligned, and its length into
@@ -296,9 +260,9 @@ class EncoderGraphs:
     # ------------------------------------------------------------------ building
 
     def _view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return shared_view(self._storage, name, shape, dtype, self.device, self.max_token_slots)
+        return shared_view(self._storage, name, shape, dtype, self.device, self.policy.encoder_slots)
 
-    def _build(self, key: Key) -> _Graph:
+    def _build(self, key: EncoderKey) -> _Graph:
         batch, length, slots = key
         hidden = self.text_model.config.hidden_size
         dtype = self.text_model.embed_tokens.weight.dtype
@@ -314,28 +278,13 @@ class EncoderGraphs:
             embeds=self._view("embeds", (batch, length, hidden), dtype),
             cache=_StaticKV(keys, values, slots),
         )
-        before = torch.cuda.memory_allocated(self.device) if self.capture else 0
         if self.capture and self.graphed(key):
-            stream = torch.cuda.Stream(device=self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up outside the capture (allocator, cuBLAS plans)
-                    self._forward(graph)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            cuda_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cuda_graph, pool=self.pool):
-                self._forward(graph)
-            graph.graph = cuda_graph
+            before = torch.cuda.memory_allocated(self.device)
+            graph.graph, _ = capture(lambda: self._forward(graph), self.pool, self.device)
             graph.memory = torch.cuda.memory_allocated(self.device) - before
-            self.captures += 1
-            log.info("captured the encoder pass for %d rows x %d tokens after %d prefix slots (%.0f MiB)", batch,
-                     length, slots, graph.memory / 2**20)
+            log.debug("captured the encoder pass for %d rows x %d tokens after %d prefix slots (%.0f MiB)", batch,
+                      length, slots, graph.memory / 2**20)
         return graph
-
-    def _hold(self, key: Key, graph: _Graph) -> None:
-        self.graphs[key] = graph
-        while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
 
     def _forward(self, graph: _Graph) -> None:
         """The encoder pass over the static inputs: causal attention without a mask (None makes SDPA

@@ -1,28 +1,35 @@
 """CUDA-graph replay of the vision tower, for camera frames from any number of sessions at once.
 
 The graph holds the tower up to the strip of padding tokens, which stays outside, on the graph's
-outputs; images are bucketed by count and patch count, at most `max_graphs` (LRU). It gives the
-library's image features. With `capture=False` the same path runs eagerly: the CPU tests check it
-against the library's forward. Design and numbers: docs/design.md §4.7 and §5.2.
+outputs; images are bucketed by count (the shape policy's image buckets, app/engine/hf/graphs/shapes.py;
+a larger batch of frames is split into passes of the largest bucket by the caller) and patch layout.
+Graphs are held in a GraphCache (app/engine/hf/graphs/cache.py), captured before `ready` from one
+sample frame and never evicted. It gives the library's image features. With `capture=False` the same
+path runs eagerly: the CPU tests check it against the library's forward. Design and numbers:
+docs/design.md §4.7 and §5.2.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from app.engine.hf.graphs.encoder import bucket_of
+from app.engine.hf.graphs.cache import GraphCache, capture
+from app.engine.hf.graphs.shapes import IMAGE_BUCKETS, bucket_of
 
 if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
 
+    from app.engine.hf.graphs.cache import PoolHandle
+
 log = logging.getLogger("djev.engine")
 
-IMAGE_BUCKETS = (1, 2, 4, 8)
+# (images, patches, patch pixels)
+VisionKey = tuple[int, int, int]
 
 
 @dataclass
@@ -37,43 +44,59 @@ class _Graph:
 
 class VisionGraphs:
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device, *, capture: bool,
-                 max_graphs: int = 8) -> None:
+                 stats: Counter[str] | None = None, pool: PoolHandle | None = None,
+                 buckets: Sequence[int] = IMAGE_BUCKETS) -> None:
+        self.buckets = tuple(buckets)
         self.encoder = model.model.encoder
         self.tower = self.encoder.vision_tower
         self.device = device
         self.capture = capture
-        self.max_graphs = max_graphs
-        self.graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.disabled: str | None = None
-        self.captures = 0
+        self.stats: Counter[str] = stats if stats is not None else Counter()
+        self.cache: GraphCache[VisionKey, _Graph] = GraphCache("vision", self._build, self.stats)
+        self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
+        self._sample: tuple[torch.Tensor, torch.Tensor] | None = None  # the inputs a build loads first
+
+    @property
+    def captures(self) -> int:
+        return sum(1 for graph in self.cache.graphs() if graph.graph is not None)
+
+    def key(self, pixel_values: torch.Tensor) -> VisionKey | None:
+        bucket = bucket_of(int(pixel_values.shape[0]), self.buckets)
+        if bucket is None:
+            return None
+        _, patches, patch_dim = pixel_values.shape
+        return (bucket, int(patches), int(patch_dim))
+
+    def prepare(self, pixel_values: torch.Tensor, positions: torch.Tensor) -> int:
+        """Build (capture) the graph of every image bucket for this patch layout, from one sample
+        image (its first); returns how many are held."""
+        for bucket in self.buckets:
+            batch = pixel_values[:1].expand(bucket, -1, -1)
+            key = self.key(batch)
+            if key is not None and key not in self.cache:
+                self._sample = (batch, positions[:1].expand(bucket, -1, -1))
+                self.cache.build(key)
+        self._sample = None
+        return len(self.cache)
 
     def features(self, pixel_values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The soft-token features of every image ([total soft tokens, text hidden], in image order,
-        as `get_image_features(...).pooler_output` gives them), or None to go eager."""
+        as `get_image_features(...).pooler_output` gives them), or None to go eager (counted)."""
         images = int(pixel_values.shape[0])
-        bucket = bucket_of(images, IMAGE_BUCKETS)
-        if self.disabled is not None or bucket is None:
-            return None
-        key = (bucket, *pixel_values.shape[1:])
+        self._sample = (pixel_values, positions)
         try:
-            graph = self.graphs.get(key)
-            if graph is None:
-                graph = self._build(key, pixel_values, positions)
-            else:
-                self.graphs.move_to_end(key)
-            self._load(graph, pixel_values, positions)
-            if graph.graph is not None:
-                graph.graph.replay()
-            else:
-                graph.features, graph.valid = self._forward(graph)
-            assert graph.features is not None and graph.valid is not None
-            return graph.features[:images][graph.valid[:images]]
-        except Exception as exc:  # noqa: BLE001 - a capture that fails must not fail reads: go eager
-            self.disabled = f"{type(exc).__name__}: {exc}"
-            self.graphs.clear()
-            log.warning("vision CUDA graphs disabled, the vision tower runs eagerly: %s", self.disabled)
+            graph = self.cache.get(self.key(pixel_values))
+        finally:
+            self._sample = None
+        if graph is None:
             return None
+        self._load(graph, pixel_values, positions)
+        if graph.graph is not None:
+            graph.graph.replay()
+        else:
+            graph.features, graph.valid = self._forward(graph)
+        assert graph.features is not None and graph.valid is not None
+        return graph.features[:images][graph.valid[:images]]
 
     def _load(self, graph: _Graph, pixel_values: torch.Tensor, positions: torch.Tensor) -> None:
         images = int(pixel_values.shape[0])
@@ -83,7 +106,9 @@ class VisionGraphs:
             graph.pixels[images:].copy_(pixel_values[:1].expand(graph.images - images, -1, -1))
             graph.positions[images:].copy_(positions[:1].expand(graph.images - images, -1, -1))
 
-    def _build(self, key: tuple[int, ...], pixel_values: torch.Tensor, positions: torch.Tensor) -> _Graph:
+    def _build(self, key: VisionKey) -> _Graph:
+        assert self._sample is not None, "a vision graph is built from the inputs of its first pass"
+        pixel_values, positions = self._sample
         images = key[0]
         graph = _Graph(
             images=images,
@@ -92,20 +117,9 @@ class VisionGraphs:
         )
         self._load(graph, pixel_values, positions)
         if self.capture:
-            stream = torch.cuda.Stream(device=self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(graph)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            cuda_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cuda_graph, pool=self.pool):
-                graph.features, graph.valid = self._forward(graph)
-            graph.graph = cuda_graph
-            self.captures += 1
-        self.graphs[key] = graph
-        while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
+            graph.graph, outputs = capture(lambda: self._forward(graph), self.pool, self.device)
+            assert isinstance(outputs, tuple)
+            graph.features, graph.valid = outputs
         return graph
 
     def _forward(self, graph: _Graph) -> tuple[torch.Tensor, torch.Tensor]:

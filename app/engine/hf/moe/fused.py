@@ -201,3 +201,62 @@ def use_fused_experts(model: DiffusionGemmaForBlockDiffusion) -> str | None:
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
     model.set_experts_implementation(IMPLEMENTATION)
     return None
+
+
+# Token counts whose pairs pick each tile (with 128 experts x top-8: at most 128 tokens TILES[0], 512
+# TILES[1], 1024 TILES[2], past that LARGE), each odd and even: Triton specialises an int argument
+# divisible by 16 (`total` = tokens x top_k), so both variants of every tile are compiled.
+def warm_up_tokens(experts: int, top_k: int) -> list[int]:
+    """Token counts that between them compile every tile `block_config` can pick, each with its
+    pair count divisible by 16 and not (where top_k allows both)."""
+    counts: list[int] = []
+    for limit, _ in TILES:
+        most = max(1, int(limit * experts // max(1, top_k)))  # the most tokens this tile takes
+        counts += [most - 1, most] if most > 1 else [most]
+    largest = int(TILES[-1][0] * experts // max(1, top_k))
+    counts += [largest + 1, largest + 2]
+    return sorted(set(count for count in counts if count >= 1))
+
+
+def warm_up_experts(model: DiffusionGemmaForBlockDiffusion) -> float:
+    """Compile every Triton tile a batch can pick before the server is ready, on the first experts
+    module's own weights; returns the seconds it took (nothing is compiled later: `compiled_kernels`
+    counts what was)."""
+    import time
+
+    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaTextExperts
+
+    started = time.perf_counter()
+    experts_module = next((module for module in model.modules() if isinstance(module, DiffusionGemmaTextExperts)), None)
+    if experts_module is None:
+        return 0.0
+    gate_up = experts_module.get_parameter("gate_up_proj")
+    down = experts_module.get_parameter("down_proj")
+    experts, _, hidden = gate_up.shape
+    text = getattr(model.config, "text_config", model.config)
+    top_k = int(getattr(text, "top_k_experts", None) or getattr(text, "num_experts_per_tok", 8))
+    generator = torch.Generator(device=gate_up.device).manual_seed(0)
+    with torch.no_grad():
+        for tokens in warm_up_tokens(int(experts), top_k):
+            states = torch.randn((tokens, int(hidden)), dtype=gate_up.dtype, device=gate_up.device, generator=generator)
+            index = torch.randint(0, int(experts), (tokens, top_k), device=gate_up.device, generator=generator)
+            expert_rows(states, index, gate_up, down)
+    torch.cuda.synchronize(gate_up.device)
+    return time.perf_counter() - started
+
+
+def compiled_kernels() -> int:
+    """Triton kernels compiled so far for the two expert kernels (every tile and specialisation);
+    0 where Triton was never imported."""
+    import sys
+
+    if "triton" not in sys.modules:
+        return 0
+    from app.engine.hf.moe.kernels import down_kernel, gate_up_kernel
+
+    total = 0
+    for kernel in (gate_up_kernel, down_kernel):
+        caches = getattr(kernel, "device_caches", None) or {}
+        for entry in caches.values():
+            total += len(entry[0]) if isinstance(entry, tuple) and entry else 0
+    return total

@@ -4,6 +4,8 @@ equal the plain eager passes; every graph views one set of KV buffers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,22 +15,25 @@ from tests.conftest import make_tiny_reader
 from tests.engine.hf.test_reader import spec_for
 
 
-def static_runner(tiny_dir, **options):
+def static_runner(tiny_dir, **policy):
+    """The tiny model's runner with decoder graphs run eagerly (capture=False), over its shape policy
+    with these fields changed."""
     runner = make_tiny_reader(tiny_dir).runner
+    runner.policy = dataclasses.replace(runner.policy, **policy)
     runner.graphs = DecoderGraphs(runner.model, runner.layer_types, runner.device, pad_id=runner.pad_id,
-                                  capture=False, **options)
+                                  capture=False, policy=runner.policy, stats=runner.stats)
     return runner
 
 
 @torch.no_grad()
 def test_multi_step_reads_replay_conditioned_graphs_and_equal_the_eager_path(tiny_dir, tokenizer):
-    eager, static = make_tiny_reader(tiny_dir).runner, static_runner(tiny_dir)
+    eager, static = make_tiny_reader(tiny_dir).runner, static_runner(tiny_dir, conditioned_rows=4)
     specs = [spec_for(tokenizer, "state one", "q1: yes\nq2: no", [42, 7], steps=3, seed=9),
              spec_for(tokenizer, "another state, longer than the first", "q1: yes", [5], steps=3, seed=2)]
     expected = eager.read(specs)
     got = static.read(specs)
     assert static.stats["graph_replays"] == 3  # every step, the later two with self-conditioning
-    assert any(key[3] for key in static.graphs.graphs) and any(not key[3] for key in static.graphs.graphs)
+    assert any(key[4] for key in static.graphs.cache) and any(not key[4] for key in static.graphs.cache)
     # Each step's sampled slot ids agree; the tiny model's wide random weights amplify float32
     # rounding about 100x per self-conditioned step (3e-6 -> 2e-4 -> 1e-2), so the last step's
     # log-probabilities agree to 0.05, while one pass agrees to 1e-4 (below).
@@ -64,23 +69,24 @@ def test_generation_on_the_graph_path_equals_eager_generation(tiny_dir, tokenize
     _, (a, b) = greedy_generations(tokenizer, eager, static)
     assert a.ids == b.ids and a.passes == b.passes
     assert static.stats["graph_replays"] == b.passes and eager.stats["graph_replays"] == 0
-    assert any(key[3] for key in static.graphs.graphs)  # self-conditioned passes replayed graphs too
+    assert any(key[4] for key in static.graphs.cache)  # self-conditioned passes replayed graphs too
 
 
 @torch.no_grad()
-def test_graphs_share_one_set_of_kv_buffers_and_cap_conditioning(tiny_dir, tokenizer):
-    runner = static_runner(tiny_dir, max_conditioning=1)
+def test_graphs_share_one_set_of_kv_buffers_and_bound_conditioning(tiny_dir, tokenizer):
+    runner = static_runner(tiny_dir, conditioned_rows=0)
     encoded = runner.encode_many([spec_for(tokenizer, "s", "q1: yes", [1]).prompt])[0]
     canvas = list(spec_for(tokenizer, "s", "q1: yes", [1]).canvases[0])
     runner.graphs.hidden([(encoded, canvas)])
     runner.graphs.hidden([(encoded, canvas)] * 3)
-    first, second = runner.graphs.graphs.values()
+    first, second = runner.graphs.cache.graphs()
     assert first.keys[0].data_ptr() == second.keys[0].data_ptr()  # views of the same storage
-    # The storage holds max_token_slots tokens of every layer's KV (prompt and canvas), no more.
+    # The storage holds the policy's decoder_slots tokens of every layer's KV (prompt and canvas), no more.
     per_token = sum(k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3] for k, v in encoded.layers)
-    assert runner.graphs.memory_bytes == runner.graphs.max_token_slots * per_token * encoded.layers[0][0].element_size()
+    assert runner.graphs.memory_bytes == runner.policy.decoder_slots * per_token * encoded.layers[0][0].element_size()
     conditioning = torch.zeros(1, len(canvas), runner.vocab_size)
-    assert runner.graphs.hidden([(encoded, canvas)], conditioning) is None  # past max_conditioning: eager
+    assert runner.graphs.hidden([(encoded, canvas)], conditioning) is None  # past conditioned_rows: eager
+    assert runner.stats["decoder_graph_fallbacks"] == 1
 
 
 @torch.no_grad()
@@ -110,7 +116,7 @@ def test_a_graph_pass_writes_the_canvas_kv_after_the_prompt_instead_of_concatena
     monkeypatch.undo()
     assert in_place == 0 and len(concatenated) > 0  # the eager pass still concatenates
     assert torch.allclose(got, want, atol=1e-4)
-    graph = next(iter(graphs.graphs.values()))
+    graph = next(iter(graphs.cache.graphs()))
     for index, layer in enumerate(graph.cache.layers):
         assert isinstance(layer, DynamicLayer)
         buffers = layer.canvas_kv

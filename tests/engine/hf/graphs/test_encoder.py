@@ -5,24 +5,31 @@ number of graphs is bounded."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
 import torch
 
 from app.engine.base import GenerateSpec, ImageInput, Prompt
-from app.engine.hf.graphs.encoder import EAGER_STEP, EncoderGraphs, bucket_of
+from app.engine.hf.graphs.encoder import EncoderGraphs
+from app.engine.hf.graphs.shapes import EAGER_STEP, bucket_of
 from tests.conftest import make_tiny_reader
 
 LENGTHS = (32, 64, 128, 256)  # small buckets: the tiny model's sliding window is 64
 
 
 def graphed_runner(tiny_dir, **options):
+    """The tiny model's runner with encoder graphs run eagerly (capture=False), over a shape policy
+    with small buckets (`lengths`, `rows`; prefix slots from the length buckets) and the policy's
+    other fields as given (`encoder_slots`, `eager_tokens`)."""
     runner = make_tiny_reader(tiny_dir).runner
+    lengths = options.pop("lengths", LENGTHS)
+    runner.policy = dataclasses.replace(runner.policy, encoder_lengths=lengths, prefix_slots=lengths,
+                                        encoder_rows=options.pop("rows", (1, 2, 4)), **options)
     runner.encoder_graphs = EncoderGraphs(
         runner.model, runner.layer_types, runner.device, capture=False,
-        sliding_window=int(runner.text_config.sliding_window), length_buckets=options.pop("lengths", LENGTHS),
-        row_buckets=options.pop("rows", (1, 2, 4)), **options)
+        sliding_window=int(runner.text_config.sliding_window), policy=runner.policy, stats=runner.stats)
     return runner
 
 
@@ -58,7 +65,7 @@ def test_graph_path_equals_the_eager_encoder_for_short_long_and_padded_prompts(r
     for a, b in zip(alone, together):
         assert_same_kv(a, b)
     key = graphed.encoder_graphs.key(3, max(len(p.ids) for p in prompts))
-    assert key in graphed.encoder_graphs.graphs and key[0] == 4  # 3 rows ride the 4-row bucket
+    assert key in graphed.encoder_graphs.cache and key[0] == 4  # 3 rows ride the 4-row bucket
     assert key[1] > 64  # a bucket past the sliding window: the window's mask is applied
     short = text_prompt(tokenizer, 3, "d")  # alone in a bucket within the window: no mask at all
     assert graphed.encoder_graphs.key(1, len(short.ids))[1] <= 64
@@ -77,15 +84,19 @@ def test_a_prompt_past_the_largest_bucket_is_encoded_eagerly(tiny_dir, runners, 
 
 
 @torch.no_grad()
-def test_batches_split_at_the_graph_buckets_and_graphs_are_bounded(tiny_dir, tokenizer):
-    runner = graphed_runner(tiny_dir, max_graphs=2, max_token_slots=256)
+def test_batches_split_at_the_graph_buckets_and_a_frozen_cache_only_falls_back(tiny_dir, tokenizer):
+    runner = graphed_runner(tiny_dir, encoder_slots=256)
     prompts = [text_prompt(tokenizer, 2, f"p{i}") for i in range(3)] + [text_prompt(tokenizer, 40, "q")]
     runner.encode_many(prompts)
     # Three short prompts fill a 4 x 32 bucket; the long one (past 128 tokens with 4 rows would break the
     # 256-slot cap) gets a pass of its own.
     assert runner.stats["encoder_passes"] == 2 and runner.stats["encoder_graph_replays"] == 2
-    runner.encode_many([text_prompt(tokenizer, 2, "r")])  # a third bucket: the oldest graph goes
-    assert len(runner.encoder_graphs.graphs) == 2
+    held = set(runner.encoder_graphs.cache)
+    assert held <= set(runner.policy.encoder_keys())  # only the policy's shapes are ever held
+    runner.freeze_graphs()
+    runner.encode_many([text_prompt(tokenizer, 2, "r")])  # a new bucket once frozen: eager, counted
+    assert set(runner.encoder_graphs.cache) == held
+    assert runner.stats["encoder_graph_fallbacks"] == 1 and runner.stats["encoder_graph_replays"] == 2
 
 
 @torch.no_grad()
@@ -99,7 +110,7 @@ def test_a_large_batch_runs_the_static_path_unbucketed_without_a_graph(tiny_dir,
     assert key != (4, bucket_of(longest, LENGTHS), 0) and not runner.encoder_graphs.graphed(key)
     together = runner.encode_many(prompts)
     assert runner.stats["encoder_passes"] == runner.stats["encoder_unbucketed_passes"] == 1
-    assert "encoder_graph_replays" not in runner.stats and not runner.encoder_graphs.graphs  # nothing held
+    assert "encoder_graph_replays" not in runner.stats and not len(runner.encoder_graphs.cache)  # nothing held
     for prompt, encoded in zip(prompts, together):
         assert_same_kv(eager.encode_many([prompt])[0], encoded)
     short = len(text_prompt(tokenizer, 2, "x").ids)  # under the threshold: the buckets, a graph
@@ -156,12 +167,12 @@ def test_the_vision_graph_path_equals_the_library_forward(tiny_dir, tokenizer):
     pixels, positions = inputs["pixel_values"], inputs["image_position_ids"]
     expected = runner.model.model.encoder.get_image_features(pixels, positions, return_dict=True).pooler_output
     got = vision.features(pixels, positions)  # 3 images ride the 4-image bucket: one padding image
-    assert vision.disabled is None and list(vision.graphs) == [(4, *pixels.shape[1:])]
+    assert list(vision.cache) == [(4, *pixels.shape[1:])]
     assert got.shape == expected.reshape(-1, expected.shape[-1]).shape
     assert torch.allclose(got, expected.reshape(got.shape), atol=1e-4)
     assert got.shape[0] == int(inputs["soft_token_counts"].sum())
     one = vision.features(pixels[:1], positions[:1])  # a different bucket, built once
-    assert torch.allclose(one, got[: one.shape[0]], atol=1e-4) and len(vision.graphs) == 2
+    assert torch.allclose(one, got[: one.shape[0]], atol=1e-4) and len(vision.cache) == 2
 
 
 @torch.no_grad()

@@ -1,0 +1,134 @@
+"""The shape policy (app/engine/hf/graphs/shapes.py) as pure functions, the one graph cache
+(app/engine/hf/graphs/cache.py), and the rule they make together: every shape a request within the
+settings can produce maps to a captured graph or to the counted eager fallback, and nothing is
+built after the graphs are prepared (`DiffusionRunner.prepare_graphs`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from app.config import Settings
+from app.engine.hf.graphs.cache import GraphCache
+from app.engine.hf.graphs.shapes import EAGER_STEP, ShapePolicy, bucket_of, doubling
+from tests.conftest import make_tiny_reader
+from tests.engine.hf.test_reader import spec_for
+
+
+def policy_of(settings: Settings, sliding_window: int = 1024) -> ShapePolicy:
+    return ShapePolicy(max_rows=settings.hf.max_batch_rows, canvas=settings.decisions.canvas,
+                       canvas_step=settings.decisions.canvas_step, max_prompt_tokens=settings.limits.max_prompt_tokens,
+                       sliding_window=sliding_window, max_images=settings.limits.max_images)
+
+
+DEFAULT = policy_of(Settings.of())
+
+
+def test_doubling_and_buckets():
+    assert doubling(256, 1000) == (256, 512, 1024) and doubling(1, 1) == (1,)
+    assert bucket_of(3, (1, 2, 4)) == 4 and bucket_of(5, (1, 2, 4)) is None
+
+
+def test_the_default_sets_are_bounded():
+    decoder, encoder = DEFAULT.decoder_keys(), DEFAULT.encoder_keys()
+    assert len(decoder) == len(set(decoder)) and len(encoder) == len(set(encoder))
+    assert len(decoder) <= 200 and len(encoder) <= 260  # captured in seconds each kind on an H200
+    assert DEFAULT.width_buckets == (16, 32, 64, 128) and DEFAULT.kv_buckets[-1] >= 32768
+
+
+@pytest.mark.parametrize("settings", [Settings.of(), Settings.of(canvas=96, max_batch_rows=48),
+                                      Settings.of(canvas=256, canvas_step=32, max_prompt_tokens=8000)])
+def test_every_decoder_shape_maps_to_a_captured_key_that_holds_it_or_to_the_fallback(settings):
+    policy = policy_of(settings)
+    captured = set(policy.decoder_keys())
+    widths = range(settings.decisions.canvas_step, settings.decisions.canvas + 1, settings.decisions.canvas_step)
+    lengths = sorted({1, 255, 256, 257, 1023, 1024, 1025, 5000, settings.limits.max_prompt_tokens})
+    for rows in range(1, settings.hf.max_batch_rows + 1):
+        for width in widths:
+            for length in lengths:
+                for conditioned in (False, True):
+                    key = policy.decoder_key(rows, width, length, conditioned)
+                    if key is None:
+                        continue  # the eager path, counted by the cache
+                    assert key in captured
+                    batch, padded, full, sliding, flag = key
+                    assert batch >= rows and padded >= width and full >= length and flag == conditioned
+                    assert sliding == min(full, policy.sliding_bucket)
+    # The common shapes are captured: a read of up to 16 canvases over prompts up to 1,024 tokens (32 at
+    # the default canvas).
+    most = 32 if settings.decisions.canvas <= 128 else 16
+    assert all(policy.decoder_key(rows, settings.decisions.canvas, 1024, False) is not None for rows in range(1, most + 1))
+    assert policy.decoder_key(1, settings.decisions.canvas, 4096, True) is not None  # a thought's passes
+
+
+def test_past_the_caps_the_decoder_has_no_key():
+    assert DEFAULT.decoder_key(65, 16, 100, False) is None  # more rows than MAX_BATCH_ROWS
+    assert DEFAULT.decoder_key(64, 128, 4096, False) is None  # past the shared buffers' tokens
+    assert DEFAULT.decoder_key(2, 64, 100, True) is None  # conditioned graphs hold one row
+    assert DEFAULT.decoder_key(1, 129, 100, False) is None  # wider than CANVAS
+
+
+def test_every_encoder_shape_maps_to_a_captured_key_or_runs_unbucketed_or_falls_back():
+    captured = set(DEFAULT.encoder_keys())
+    for rows in range(1, 33):
+        for longest in (1, 63, 64, 65, 300, 700, 1024, 2000, 4096, 5000):
+            for prefix in (0, 64, 200, 257, 600, 900):
+                key = DEFAULT.encoder_key(rows, longest, prefix)
+                if key is None:
+                    continue  # eager, counted
+                if DEFAULT.encoder_graphed(key):
+                    assert key in captured and key[0] >= rows and key[1] >= longest and key[2] >= prefix
+                else:  # a large pass: the static path without a graph, its own rows, lengths to EAGER_STEP
+                    assert key == (rows, -(-longest // EAGER_STEP) * EAGER_STEP, -(-prefix // EAGER_STEP) * EAGER_STEP)
+    assert DEFAULT.encoder_key(1, 5000) is None  # past the largest bucket: eager
+    assert DEFAULT.encoder_key(1, 900, 600) is None  # a prefix pass past the sliding window
+
+
+def test_frames_go_through_the_vision_tower_in_passes_of_the_largest_bucket():
+    assert DEFAULT.image_chunks(1) == [1] and DEFAULT.image_chunks(8) == [8]
+    assert DEFAULT.image_chunks(19) == [8, 8, 3]
+
+
+def test_the_graph_cache_builds_until_frozen_then_only_counts_fallbacks():
+    stats: Counter[str] = Counter()
+    built: list[int] = []
+
+    def build(key: int) -> str:
+        if key == 13:
+            raise RuntimeError("cannot capture")
+        built.append(key)
+        return f"graph {key}"
+
+    cache: GraphCache[int, str] = GraphCache("decoder", build, stats)
+    assert cache.get(1) == "graph 1" and cache.get(1) == "graph 1" and built == [1]
+    assert cache.get(13) is None and cache.get(13) is None  # a failed build: eager, never retried
+    assert stats["decoder_graph_failures"] == 1 and stats["decoder_graph_fallbacks"] == 1
+    assert cache.get(None) is None and stats["decoder_graph_fallbacks"] == 2  # no key: past the caps
+    cache.freeze()
+    assert cache.get(2) is None and built == [1]  # frozen: nothing built, the pass goes eager
+    assert stats["decoder_graph_fallbacks"] == 3 and stats["decoder_graphs_built"] == 1
+
+
+def test_out_of_memory_while_building_is_not_a_shape_that_cannot_be_captured():
+    def build(key: int) -> str:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    cache: GraphCache[int, str] = GraphCache("encoder", build, Counter())
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.get(1)
+    assert not cache.failed  # a later try, with memory, may build it
+
+
+@torch.no_grad()
+def test_prepared_graphs_cover_the_reads_and_nothing_is_built_after(tiny_dir, tokenizer):
+    runner = make_tiny_reader(tiny_dir).runner
+    runner.use_graphs(capture=False)  # the static-buffer paths, run eagerly on the CPU
+    held = runner.prepare_graphs()
+    assert held["decoder"] == len(runner.policy.decoder_keys()) and held["encoder"] == len(runner.policy.encoder_keys())
+    before = dict(runner.graphs_held())
+    specs = [spec_for(tokenizer, f"state {n} " * (1 + 7 * n), "q1: yes\nq2: no", [3, 4]) for n in range(5)]
+    assert all(not isinstance(result, Exception) for result in runner.read(specs))
+    assert runner.graphs_held() == before  # frozen: no build while serving
+    assert runner.stats["graph_replays"] >= 1 and runner.stats["decoder_graph_fallbacks"] == 0
