@@ -164,6 +164,7 @@ class HFReader:
         self._built = built_count(runner)  # graphs captured and compiled when the heap was last settled
         self._image_executor: ThreadPoolExecutor | None = None
         self._images_held = 0  # preprocessed images reserved or riding with queued jobs
+        self._degraded: str | None = None  # why the engine runs degraded, when it has to (`degraded`)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -178,6 +179,10 @@ class HFReader:
     @property
     def ready(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def degraded(self) -> str | None:
+        return self._degraded
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
