@@ -4,6 +4,7 @@ model) and the engine's options, made here and only here from Settings (engines 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from app.config import Settings
@@ -14,6 +15,8 @@ from app.engine.base import ReaderInfo, StartupProgress
 log = logging.getLogger("djev")
 
 TINY_DIR_NAME = "djev-tiny-random"
+# CACHE_DIR's folders, by the variable that points each tool at its own (set where not set already).
+CACHE_FOLDERS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "VLLM_CACHE_ROOT": "vllm"}
 
 
 class CheckpointError(Exception):
@@ -127,12 +130,24 @@ def vllm_options(settings: Settings, served_name: str, tiny: bool):
         kv_cache_gb=settings.vllm.kv_cache_gb,
         attn=settings.vllm.attn,
         extra_args=settings.vllm.extra_args,
-        cache_dir=settings.vllm.cache_dir,
+        cache_dir=settings.runtime.cache_dir,
         torch_mem_fraction=settings.vllm.torch_mem_fraction,
         max_prompt_tokens=settings.limits.max_prompt_tokens,
         served_name=served_name,
         tiny=tiny,
     )
+
+
+def use_cache_dir(settings: Settings) -> dict[str, str]:
+    """Point torch.compile's, Triton's and vLLM's caches into CACHE_DIR, so compiled kernels survive
+    a restart: each variable the environment does not set already. Call it before torch is imported
+    (their defaults are read then). Returns the variables it set."""
+    if not settings.runtime.cache_dir:
+        return {}
+    root = Path(settings.runtime.cache_dir).expanduser().resolve()
+    chosen = {name: str(root / folder) for name, folder in CACHE_FOLDERS.items() if not os.environ.get(name)}
+    os.environ.update(chosen)
+    return chosen
 
 
 def served_name(settings: Settings, checkpoint: Path, tiny: bool) -> str:

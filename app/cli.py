@@ -63,10 +63,12 @@ def serve(settings: Settings, load: Callable[[StartupProgress], Reader] | None =
     through the hf engine's `hf_reader`, and is served exactly as `djev serve` serves. A load that
     fails stops the server within seconds: 2 when no checkpoint was usable (the message says what
     to do), 1 otherwise (the log says why)."""
-    from app.build import CheckpointError, build_reader, provisional_info
+    from app.build import CheckpointError, build_reader, provisional_info, use_cache_dir
     from app.engine.starting import StartingReader
     from app.server import create_app, serve_app
 
+    for name, value in use_cache_dir(settings).items():  # before the load imports torch
+        logging.getLogger("djev").info("cache: %s=%s", name, value)
     starting = StartingReader(provisional_info(settings), load or (lambda progress: build_reader(settings, progress)))
     app = create_app(settings, starting)
     ssl = None

@@ -127,3 +127,41 @@ def test_the_provisional_info_names_the_model_before_anything_loads(tiny_dir, tm
     assert hub.model == "google--diffusiongemma-26B-A4B-it" and not hub.tiny
     assert provisional_info(Settings.of(model="x/y", served_name="dgemma")).model == "dgemma"
     assert provisional_info(Settings.of(models_dir=str(tmp_path))).model == TINY_MODEL_NAME
+
+
+CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "VLLM_CACHE_ROOT")
+
+
+def test_cache_dir_points_the_compiler_caches_into_it_unless_the_environment_does(tmp_path, monkeypatch):
+    import os
+
+    from app.build import use_cache_dir
+
+    for name in CACHE_VARIABLES:
+        monkeypatch.setenv(name, "")  # empty counts as unset; the test's values are undone after it
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere/triton")
+    chosen = use_cache_dir(Settings.of(cache_dir=str(tmp_path / "cache")))
+    assert chosen == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache" / "inductor"),
+                      "VLLM_CACHE_ROOT": str(tmp_path / "cache" / "vllm")}
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == "/elsewhere/triton"  # the environment's own wins
+    assert use_cache_dir(Settings.of(cache_dir="")) == {}
+
+
+def test_serve_sets_the_cache_variables_before_the_load_runs(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    for name in CACHE_VARIABLES:
+        monkeypatch.setenv(name, "")  # empty counts as unset; the test's values are undone after it
+    seen: dict[str, str | None] = {}
+
+    def load(progress):
+        seen.update({name: os.environ.get(name) for name in CACHE_VARIABLES})
+        raise OSError("only the environment was wanted")
+
+    said_starting = threading.Event()
+    status, _, _ = serve_in_this_thread(load, monkeypatch, said_starting, cache_dir=str(tmp_path))
+    assert status == 1
+    assert seen["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    assert seen["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
