@@ -127,3 +127,19 @@ def test_a_degraded_engine_is_healthy_and_says_why(tokenizer, starting):
         body = wait_for(client, "degraded")
         assert body["reason"] == "CUDA graphs off: capture failed" and body["ready"] is True
         assert client.get("/health").status_code == 200
+
+
+def test_every_page_shows_the_starting_banner_until_the_model_is_ready(tokenizer):
+    load = GatedLoad(ScriptedReader(tokenizer))
+    with TestClient(create_app(Settings(), StartingReader(PROVISIONAL, load))) as client:
+        assert load.reported.wait(10)
+        for path in ("/", "/walk", "/cube"):
+            html = client.get(path).text
+            assert 'id="starting-banner" role="status" aria-live="polite">the model is starting: loading weights (3/7)' \
+                in html, path
+            assert '<script type="module" src="/static/js/startup.js">' in html
+        assert "getHealth" in client.get("/static/js/startup.js").text
+        load.release.set()
+        wait_for(client, "ok")
+        for path in ("/", "/walk", "/cube"):
+            assert 'id="starting-banner" role="status" aria-live="polite" hidden></div>' in client.get(path).text
