@@ -4,16 +4,19 @@ model) and the engine's options, made here and only here from Settings (engines 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from app.config import Settings
 from app.decisions.limits import Limits
 from app.decisions.reading import ReadSettings
-from app.engine.base import StartupProgress
+from app.engine.base import ReaderInfo, StartupProgress
 
 log = logging.getLogger("djev")
 
 TINY_DIR_NAME = "djev-tiny-random"
+# CACHE_DIR's folders, by the variable that points each tool at its own (set where not set already).
+CACHE_FOLDERS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "VLLM_CACHE_ROOT": "vllm"}
 
 
 class CheckpointError(Exception):
@@ -129,7 +132,7 @@ def vllm_options(settings: Settings, served_name: str, tiny: bool):
         kv_cache_gb=settings.vllm.kv_cache_gb,
         attn=settings.vllm.attn,
         extra_args=settings.vllm.extra_args,
-        cache_dir=settings.vllm.cache_dir,
+        cache_dir=settings.runtime.cache_dir,
         torch_mem_fraction=settings.vllm.torch_mem_fraction,
         max_prompt_tokens=settings.limits.max_prompt_tokens,
         served_name=served_name,
@@ -137,13 +140,50 @@ def vllm_options(settings: Settings, served_name: str, tiny: bool):
     )
 
 
-def build_reader(settings: Settings, progress: StartupProgress | None = None):
-    """The reader the settings ask for, loaded (blocking: minutes for a full model on the GPU);
-    `progress` hears each start-up phase of the hf engine."""
+def use_cache_dir(settings: Settings) -> dict[str, str]:
+    """Point torch.compile's, Triton's and vLLM's caches into CACHE_DIR, so compiled kernels survive
+    a restart: each variable the environment does not set already. Call it before torch is imported
+    (their defaults are read then). Returns the variables it set."""
+    if not settings.runtime.cache_dir:
+        return {}
+    root = Path(settings.runtime.cache_dir).expanduser().resolve()
+    chosen = {name: str(root / folder) for name, folder in CACHE_FOLDERS.items() if not os.environ.get(name)}
+    os.environ.update(chosen)
+    return chosen
+
+
+def served_name(settings: Settings, checkpoint: Path, tiny: bool) -> str:
     from app.engine.tiny import TINY_MODEL_NAME
 
+    return settings.runtime.served_name or (TINY_MODEL_NAME if tiny else checkpoint.name)
+
+
+def provisional_info(settings: Settings) -> ReaderInfo:
+    """What `/health` and the pages say while the model loads: the served name the checkpoint will
+    most likely have (read from the settings and the folders, nothing loaded or downloaded), the
+    engine, device "loading"."""
+    from app.engine.tiny import is_tiny_checkpoint
+
+    runtime = settings.runtime
+    if runtime.model:
+        given = Path(runtime.model).expanduser()
+        folder = given if given.is_dir() else Path(runtime.models_dir) / runtime.model.replace("/", "--")
+    else:
+        folder = Path(runtime.models_dir) / runtime.model_name
+        if not (folder / "config.json").is_file():
+            folder = Path(runtime.models_dir) / TINY_DIR_NAME
+    tiny = folder.name == TINY_DIR_NAME or is_tiny_checkpoint(folder)
+    return ReaderInfo(model=served_name(settings, folder, tiny), engine=runtime.engine, device="loading", tiny=tiny,
+                      canvas_length=settings.decisions.canvas)
+
+
+def build_reader(settings: Settings, progress: StartupProgress | None = None):
+    """The reader the settings ask for, loaded (blocking: minutes for a full model on the GPU);
+    `progress` hears each start-up phase (finding the checkpoint, and the hf engine's own)."""
+    if progress is not None:
+        progress("finding the checkpoint", 0, 1)
     checkpoint, tiny = resolve_checkpoint(settings)
-    served = settings.runtime.served_name or (TINY_MODEL_NAME if tiny else checkpoint.name)
+    served = served_name(settings, checkpoint, tiny)
     if settings.runtime.engine == "remote":
         from app.engine.vllm.remote import load_remote_reader
 

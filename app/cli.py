@@ -57,21 +57,30 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def serve(settings: Settings, load: Callable[[StartupProgress], Reader] | None = None) -> int:
-    """Run the server until it is stopped. `load` builds the reader (default: the one the settings
-    ask for, `app.build.build_reader`); a bench passes its own, e.g. random weights through the hf
-    engine's `hf_reader`, and is served exactly as `djev serve` serves."""
-    from app.build import build_reader
+    """Run the server until it is stopped; the exit status. The listener is up at once; `load`
+    builds the reader behind it, in a thread (default: the one the settings ask for,
+    `app.build.build_reader`), told each start-up phase. A bench passes its own, e.g. random weights
+    through the hf engine's `hf_reader`, and is served exactly as `djev serve` serves. A load that
+    fails stops the server within seconds: 2 when no checkpoint was usable (the message says what
+    to do), 1 otherwise (the log says why)."""
+    from app.build import CheckpointError, build_reader, provisional_info, use_cache_dir
+    from app.engine.starting import StartingReader
     from app.server import create_app, serve_app
 
-    reader = (load or (lambda progress: build_reader(settings, progress)))(lambda phase, done, total: None)
-    app = create_app(settings, reader)
+    for name, value in use_cache_dir(settings).items():  # before the load imports torch
+        logging.getLogger("djev").info("cache: %s=%s", name, value)
+    starting = StartingReader(provisional_info(settings), load or (lambda progress: build_reader(settings, progress)))
+    app = create_app(settings, starting)
     ssl = None
     if settings.server.tls_port:
         from app.tls import ensure_certificate
 
         ssl = ensure_certificate(Path(settings.server.cert_dir))
-    asyncio.run(serve_app(app, settings, ssl))
-    return 0
+    status = asyncio.run(serve_app(app, settings, ssl))
+    if isinstance(starting.failure, CheckpointError):
+        print(f"djev: {starting.failure}", file=sys.stderr)
+        return 2
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -93,10 +102,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         from app.selftest import run_selftest
 
         return run_selftest(settings, args.url, args.timeout)  # it reports every failure itself
-    from app.build import CheckpointError
-
-    try:
-        return serve(settings)
-    except CheckpointError as exc:
-        print(f"djev: {exc}", file=sys.stderr)
-        return 2
+    return serve(settings)

@@ -50,6 +50,10 @@ class RuntimeSettings:
     engine: str = field(default="hf", metadata=_meta(
         "ENGINE", "hf: transformers in this process; vllm: vLLM in this process; remote: vLLM servers at UPSTREAM"))
     device: str = field(default="auto", metadata=_meta("DEVICE", "auto, cpu, cuda or cuda:N"))
+    cache_dir: str = field(default="~/.cache/djev", metadata=_meta(
+        "CACHE_DIR", "compiler caches kept across restarts: TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and "
+        "VLLM_CACHE_ROOT become its inductor, triton and vllm folders where the environment sets none; "
+        "empty = the tools' defaults"))
 
     def problems(self) -> list[str]:
         if self.engine not in ENGINES:
@@ -199,8 +203,6 @@ class VLLMSettings:
         "ATTN", "vllm: attention backend; auto = TRITON_ATTN on a GPU, vLLM's choice on CPU"))
     extra_args: str = field(default="", metadata=_meta(
         "EXTRA_ARGS", "vllm: more engine flags, as for `vllm serve` (e.g. --async-scheduling)"))
-    cache_dir: str = field(default="", metadata=_meta(
-        "CACHE_DIR", "vllm: cache folder for vLLM and compilers; empty = vLLM's default (~/.cache/vllm)"))
     torch_mem_fraction: float = field(default=0.0, metadata=_meta(
         "TORCH_MEM_FRACTION", "vllm: cap torch's share of GPU memory in this process; 0 = off"))
 

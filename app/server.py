@@ -1,8 +1,11 @@
 """The ASGI app and the process that serves it.
 
 `create_app(settings, reader)` builds the Starlette app around a reader (the reader is passed in,
-so tests can give it the tiny model or a fake). The app's lifespan starts and stops the reader.
-`serve()` runs the HTTP listener and, with TLS_PORT, an HTTPS listener in the same process.
+so tests can give it the tiny model or a fake). The app's lifespan starts and stops the reader; a
+`StartingReader` (what `djev serve` passes) is started in a background task instead, so the
+listener is up while the model loads, and the routes are handed the real reader once it is ready.
+`serve_app()` runs the HTTP listener and, with TLS_PORT, an HTTPS listener in the same process, and
+stops them a few seconds after a start-up that failed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from starlette.routing import Route
 
 from app.config import Settings
 from app.engine.base import Reader
+from app.engine.starting import StartingReader
 from app.web import health, openai, pages, raw, stream, systemone
 from app.web.errors import exception_handlers
 from app.web.frontdoor import REQUEST_ID_HEADER, FrontDoor, SecurityHeaders  # noqa: F401 - re-exported
@@ -26,20 +30,39 @@ from app.web.services import Services
 
 log = logging.getLogger("djev")
 
+# Seconds a failed start-up keeps the listener up, `/health` saying "failed" with the reason, before
+# `serve_app` stops and `djev serve` exits non-zero.
+FAILED_START_LINGER_S = 2.0
+
 
 def create_app(settings: Settings, reader: Reader, extra_routes: list | None = None) -> Starlette:
     services = Services.build(settings, reader)
     services.metrics.watch(services)
 
+    async def load_behind_the_listener(starting: StartingReader) -> None:
+        try:
+            await starting.start()
+        except Exception:  # noqa: BLE001 - logged with its reason by the reader; /health says failed
+            return
+        loaded = starting.loaded
+        if loaded is not None:
+            services.use(loaded)
+            log_ready(loaded)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await reader.start()
-        info = reader.info
-        log.info("ready: model %s on %s (%s)%s", info.model, info.engine, info.device,
-                 " - TINY RANDOM MODEL, answers are random" if info.tiny else "")
+        loading: asyncio.Task[None] | None = None
+        if isinstance(reader, StartingReader):
+            loading = asyncio.create_task(load_behind_the_listener(reader), name="djev-start-up")
+        else:
+            await reader.start()
+            log_ready(reader)
         try:
             yield
         finally:
+            if loading is not None:
+                loading.cancel()
+                await asyncio.gather(loading, return_exceptions=True)
             await reader.stop()
 
     routes: list[Any] = [
@@ -54,12 +77,19 @@ def create_app(settings: Settings, reader: Reader, extra_routes: list | None = N
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=exception_handlers())
     app.state.services = services
+    app.state.startup = reader if isinstance(reader, StartingReader) else None
     # Added last = outermost: the request id and the last-resort error reply wrap everything, and
     # the request metrics wrap those (a 401 or 500 from the front door is counted too).
     app.add_middleware(SecurityHeaders)
     app.add_middleware(FrontDoor, api_key=settings.server.api_key)
     app.add_middleware(RequestMetrics, metrics=services.metrics)
     return app
+
+
+def log_ready(reader: Reader) -> None:
+    info = reader.info
+    log.info("ready: model %s on %s (%s)%s", info.model, info.engine, info.device,
+             " - TINY RANDOM MODEL, answers are random" if info.tiny else "")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -97,8 +127,9 @@ def serve_in_background(app: Starlette, port: int | None = None, **uvicorn_optio
         thread.join(timeout=30)
 
 
-async def serve_app(app: Starlette, settings: Settings, ssl: tuple[str, str] | None = None) -> None:
-    """Run the HTTP listener, and the HTTPS one when `ssl` (cert, key) is given, in one loop."""
+async def serve_app(app: Starlette, settings: Settings, ssl: tuple[str, str] | None = None) -> int:
+    """Run the HTTP listener, and the HTTPS one when `ssl` (cert, key) is given, in one loop, until
+    stopped: 0. When the app's StartingReader fails to load, both stop FAILED_START_LINGER_S later: 1."""
     import uvicorn
 
     # log_config=None: uvicorn logs through the root logger `djev serve` configured (one format).
@@ -124,4 +155,24 @@ async def serve_app(app: Starlette, settings: Settings, ssl: tuple[str, str] | N
             for other in servers[1:]:
                 other.should_exit = True
 
-    await asyncio.gather(run_http(), *(server.serve() for server in servers[1:]))
+    startup: StartingReader | None = app.state.startup
+    failed = False
+
+    async def stop_if_the_start_fails() -> None:
+        nonlocal failed
+        if startup is None:
+            return
+        while startup.status.state == "starting" and not http.should_exit:
+            await asyncio.sleep(0.1)
+        if startup.status.state == "failed":
+            failed = True
+            await asyncio.sleep(FAILED_START_LINGER_S)
+            http.should_exit = True
+
+    watch = asyncio.create_task(stop_if_the_start_fails(), name="djev-start-up-watch")
+    try:
+        await asyncio.gather(run_http(), *(server.serve() for server in servers[1:]))
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+    return 1 if failed else 0

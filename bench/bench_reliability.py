@@ -171,6 +171,10 @@ class _FaultyReader:
         return self.inner.ready
 
     @property
+    def degraded(self):
+        return self.inner.degraded
+
+    @property
     def stats(self):
         return self.inner.stats
 

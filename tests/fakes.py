@@ -38,6 +38,7 @@ class ScriptedReader:
         self.calls: list[tuple[str, object]] = []
         self.thought = tuple(tokenizer.encode(THOUGHT_TEXT))
         self.ready = True
+        self.degraded: str | None = None
 
     async def start(self) -> None:
         self.ready = True

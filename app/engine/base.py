@@ -266,12 +266,21 @@ class ChatRelay(Protocol):
 
 
 class Reader(Protocol):
-    info: ReaderInfo
-    tokenizer: ChatTokenizer
+    @property
+    def info(self) -> ReaderInfo: ...
+
+    @property
+    def tokenizer(self) -> ChatTokenizer: ...
 
     @property
     def ready(self) -> bool:
         """True while the reader accepts work (`/health` says unavailable otherwise)."""
+        ...
+
+    @property
+    def degraded(self) -> str | None:
+        """None normally; why, when the engine had to degrade (it still serves, slower or with less):
+        `/health` then says "degraded" with this reason."""
         ...
 
     async def start(self) -> None: ...

@@ -1,23 +1,47 @@
-"""`GET /health`: always open, no token; says which model answers and how loaded the server is."""
+"""`GET /health`: always open, no token; says which model answers and how loaded the server is.
+
+`status` is one of:
+
+- `starting` (503): the model is loading behind the listener; `phase` is the start-up phase it
+  reported last, `done`/`total` its progress, `elapsed_s` the seconds since the load began.
+- `failed` (503): the load failed; `reason` says why (the server exits seconds later).
+- `ok` (200): ready.
+- `degraded` (200): ready, but the engine had to degrade; `reason` says how.
+- `unavailable` (503): the engine is not running (stopped, or no upstream up).
+"""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from app.engine.starting import StartingReader
 from app.web.errors import json_response
 from app.web.services import services
 
 
 async def health(request: Request) -> Response:
     svc = services(request)
-    info = svc.reader.info
-    ready = svc.reader.ready
+    reader = svc.reader
+    info = reader.info
+    ready = reader.ready
+    status: dict[str, Any]
+    if isinstance(reader, StartingReader) and not ready:
+        startup = reader.status
+        status = {"status": startup.state if startup.state in ("starting", "failed") else "unavailable"}
+        status.update(phase=startup.phase, done=startup.done, total=startup.total, elapsed_s=startup.elapsed_s)
+        if startup.reason is not None:
+            status["reason"] = startup.reason
+    elif ready and reader.degraded is not None:
+        status = {"status": "degraded", "reason": reader.degraded}
+    else:
+        status = {"status": "ok" if ready else "unavailable"}
     body = {
-        "status": "ok" if ready else "unavailable",
+        **status,
         "ready": ready,
         "model": info.model,
         "engine": info.engine,

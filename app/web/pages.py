@@ -6,7 +6,8 @@ The walk page installs to a phone's home screen: /walk.webmanifest is its web ap
 
 Jinja2 templates in app/templates, vanilla ES modules and CSS in app/static; no build step and no
 external network (fonts and images are served by the app). Every page shares a header that says
-which model and engine answer, with a banner when it is the tiny random-weight model.
+which model and engine answer, with a banner when it is the tiny random-weight model, and one while
+the model is starting (its phase, kept current from /health until the model is ready).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+
+from app.engine.starting import StartingReader
 
 if TYPE_CHECKING:
     from app.web.services import Services
@@ -34,7 +37,9 @@ PAGES = {"/": "playground.html", "/playground": "playground.html", "/walk": "wal
 
 
 def page_context(services: "Services", path: str) -> dict:
-    info = services.reader.info
+    reader = services.reader
+    info = reader.info
+    starting = reader.status if isinstance(reader, StartingReader) and not reader.ready else None
     return {
         "model": info.model,
         "engine": info.engine,
@@ -42,6 +47,8 @@ def page_context(services: "Services", path: str) -> dict:
         "tiny": info.tiny,
         "key_required": bool(services.settings.server.api_key),
         "path": path,
+        # While the model loads: the banner, which app/static/js/startup.js keeps current from /health.
+        "starting": starting if starting is not None and starting.state == "starting" else None,
     }
 
 

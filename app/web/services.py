@@ -3,11 +3,17 @@ camera sessions, and the small worker pool that keeps request-sized work off the
 
 Routes reach it through `services(request)`; app/server.py builds it. app/web never imports
 app/server.py, so the wiring reads one way: server → web.
+
+While the model starts, `reader` is a `StartingReader` (app/engine/starting.py) that has no
+tokenizer yet, so the decider (which holds the tokenizer's templates and labels) is built when it is
+first needed, and asking for it meanwhile raises the reader's EngineUnavailable (a 503 naming the
+phase). Once loaded, `use(reader)` puts the real reader in its place.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
@@ -21,7 +27,7 @@ from app.decisions.limits import Limits
 from app.decisions.plan import Plan
 from app.decisions.request import Decision
 from app.decisions.run import Decider
-from app.engine.base import Reader
+from app.engine.base import EngineUnavailable, Reader
 from app.web.admission import Admission
 from app.web.metrics import Metrics
 
@@ -42,25 +48,51 @@ class Services:
     settings: Settings
     limits: Limits  # the decision core's request limits, from settings
     reader: Reader
-    decider: Decider
     admission: Admission
     workers: anyio.CapacityLimiter  # the pool the decider offloads to as well (build)
     started: float = field(default_factory=time.time)
     sessions: dict[str, Any] = field(default_factory=dict)  # open /v1/stream sessions by id
     metrics: Metrics = field(default_factory=Metrics)  # this app's own registry (/metrics)
+    _decider: Decider | None = field(default=None, repr=False)
+    _decider_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def build(cls, settings: Settings, reader: Reader) -> "Services":
-        workers = anyio.CapacityLimiter(WORKER_THREADS)
-        return cls(
+        built = cls(
             settings=settings,
             limits=limits(settings),
             reader=reader,
-            # The decider plans in the same bounded pool as parsing and validation.
-            decider=Decider(reader, read_settings(settings), offload=functools.partial(_offload_in, workers)),
             admission=Admission(settings.limits.max_inflight, settings.limits.max_inflight_cost),
-            workers=workers,
+            workers=anyio.CapacityLimiter(WORKER_THREADS),
         )
+        try:
+            built._decider = built._new_decider(reader)
+        except EngineUnavailable:
+            pass  # the model is starting: the decider is built over it once it is loaded (`use`)
+        return built
+
+    @property
+    def decider(self) -> Decider:
+        """The decider over the reader's tokenizer; while the model starts, the reader's
+        EngineUnavailable (built on first use in case a reader gets its tokenizer on its own)."""
+        decider = self._decider
+        if decider is None:
+            with self._decider_lock:
+                if self._decider is None:
+                    self._decider = self._new_decider(self.reader)
+                decider = self._decider
+        return decider
+
+    def use(self, reader: Reader) -> None:
+        """Serve `reader` from now on: the model a StartingReader loaded, so that routes reach the
+        engine itself (its capabilities, such as ChatRelay, included); the decider is built over it."""
+        decider = self._new_decider(reader)
+        with self._decider_lock:
+            self.reader, self._decider = reader, decider
+
+    def _new_decider(self, reader: Reader) -> Decider:
+        # The decider plans in the same bounded pool as parsing and validation.
+        return Decider(reader, read_settings(self.settings), offload=functools.partial(_offload_in, self.workers))
 
     async def prepare(self, fn: Callable[..., T], body_bytes: int, *args: Any) -> T:
         """`fn(*args)` for a request body of `body_bytes`: inline for a small plain body (its work is

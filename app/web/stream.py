@@ -8,7 +8,8 @@ reported as dropped in the next result. The protocol is documented in README.md 
 
 A session's two loops (receiving, deciding) run in one task group: when either fails, the other is
 cancelled and the socket closes with 1011 and a reason, so no session keeps taking frames it will
-never answer. At most MAX_SESSIONS sessions are open at once; one more is closed with 1013.
+never answer. At most MAX_SESSIONS sessions are open at once; one more is closed with 1013, and
+so is every session opened while the model is starting.
 Errors reach the client through the same map as every REST route (app/web/errors.py).
 """
 
@@ -30,6 +31,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from app.decisions.request import Decision, parse_decision
 from app.engine.base import ImageInput
+from app.engine.starting import StartingReader
 from app.web.answers import jev_body
 from app.web.auth import key_matches
 from app.web.errors import (
@@ -291,6 +293,11 @@ async def stream(websocket: WebSocket) -> None:
     services: Services = websocket.app.state.services
     subprotocol, token = _offered(websocket)
     await websocket.accept(subprotocol=subprotocol)
+    if isinstance(services.reader, StartingReader) and not services.reader.ready:
+        # The model is loading (or failed to): 1013, try again later, with the phase, as the error map says.
+        reply = error_reply(services.reader.unavailable())
+        await _close(websocket, reply.close_code, reply.message)
+        return
     limit = services.settings.limits.max_sessions
     if len(services.sessions) >= limit:
         await _close(websocket, CLOSE_TRY_LATER, f"too many camera sessions: at most {limit}; try again later")

@@ -318,3 +318,38 @@ def test_a_full_server_is_asked_again_later_and_later_with_jitter(page_server, p
     stream.route.close(code=1013, reason=refusal)
     assert 1.0 <= busy_wait_shown(page) <= 3.0
     assert page.errors == []
+
+
+def test_the_walk_page_says_the_model_is_starting_until_it_is_ready(page_factory, tokenizer):
+    import threading
+
+    from app.config import Settings
+    from app.engine.base import ReaderInfo
+    from app.engine.starting import StartingReader
+    from app.server import create_app
+    from tests.conftest import live_server
+    from tests.fakes import ScriptedReader
+
+    release = threading.Event()
+
+    def load(progress):
+        progress("loading weights", 3, 7)
+        assert release.wait(60), "the test never released the load"
+        return ScriptedReader(tokenizer)
+
+    info = ReaderInfo(model="dgemma", engine="fake", device="loading", tiny=False, canvas_length=128)
+    starting = StartingReader(info, load)
+    with live_server(create_app(Settings(), starting)) as url:
+        deadline = time.monotonic() + 10
+        while starting.status.phase != "loading weights":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        page = open_walk(page_factory, url)
+        banner = page.locator("#starting-banner")
+        assert banner.is_visible()
+        assert banner.text_content() == "the model is starting: loading weights (3/7)"
+        screenshot(page, "walk-starting")
+        release.set()
+        banner.wait_for(state="hidden", timeout=10_000)
+        assert page.text_content("#served") == "dgemma · fake · cpu"
+        assert page.errors == []

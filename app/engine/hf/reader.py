@@ -186,6 +186,7 @@ class HFReader:
         self._compiled = compile_counts(runner)  # as of `start` (ready), then of the last pass
         self._image_executor: ThreadPoolExecutor | None = None
         self._images_held = 0  # preprocessed images reserved or riding with queued jobs
+        self._degraded: str | None = None  # why the engine runs degraded, when it has to (`degraded`)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -200,6 +201,10 @@ class HFReader:
     @property
     def ready(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def degraded(self) -> str | None:
+        return self._degraded
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

@@ -157,6 +157,10 @@ class VLLMReader:
         return self._engine is not None and not getattr(self._engine, "errored", False)
 
     @property
+    def degraded(self) -> str | None:
+        return None  # vLLM runs as configured or does not start
+
+    @property
     def stats(self) -> dict[str, float]:
         return {**self.counts, "logprob_id_cap": self._logprob_cap, "window_verified": int(self.window_verified)}
 

@@ -100,6 +100,10 @@ class RemoteReader:
         return self.pool.ready
 
     @property
+    def degraded(self) -> str | None:
+        return None  # an upstream that is down is routed around; none up is not `ready`
+
+    @property
     def stats(self) -> dict[str, float]:
         return {**self.counts, **self.pool.stats}
 

@@ -46,6 +46,17 @@ export async function postDecision(request, images = [], { field = "image" } = {
   return { ok: response.ok, status: response.status, body, text, ms: performance.now() - started };
 }
 
+// GET /health: its JSON whatever the status (503 while the model starts), or null when the server
+// cannot be reached.
+export async function getHealth() {
+  try {
+    const response = await fetch("/health", { cache: "no-store" });
+    return await response.json();
+  } catch (_) {
+    return null;
+  }
+}
+
 // "HTTP 422: question 'x': ..." from a failed response.
 export function errorMessage(status, body, text = "") {
   const message = body?.error?.message ?? body?.detail?.message ?? (typeof body?.detail === "string" ? body.detail : null);

@@ -13,6 +13,7 @@ const SHELL = [
   "/static/css/walk.css",
   "/static/js/api.js",
   "/static/js/camera.js",
+  "/static/js/startup.js",
   "/static/js/walk.js",
   "/static/js/walk-cues.js",
   "/static/js/walk-view.js",
