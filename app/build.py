@@ -101,6 +101,7 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
         fused_moe=settings.hf.fused_moe,
         canvas_step=settings.decisions.canvas_step,
         max_images=settings.limits.max_images,
+        prefill_chunk=settings.hf.prefill_chunk,
     )
 
 

@@ -157,9 +157,15 @@ class HFSettings:
         "0 = transformers' grouped_mm)"))
     torch_threads: int = field(default=0, metadata=_meta(
         "TORCH_THREADS", "CPU threads torch may use; 0 = torch's default"))
+    prefill_chunk: int = field(default=2048, metadata=_meta(
+        "PREFILL_CHUNK", "hf: prompt tokens encoded in one engine turn; a longer prompt is encoded in chunks, "
+        "taking turns with other reads (docs/design.md §2.2)"))
 
     def problems(self) -> list[str]:
-        return ["MAX_BATCH_ROWS must be at least 1"] if self.max_batch_rows < 1 else []
+        problems = ["MAX_BATCH_ROWS must be at least 1"] if self.max_batch_rows < 1 else []
+        if self.prefill_chunk < 16:
+            problems.append(f"PREFILL_CHUNK must be at least 16 tokens, not {self.prefill_chunk}")
+        return problems
 
 
 @dataclass(frozen=True)

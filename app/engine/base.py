@@ -4,7 +4,11 @@
 (`hf`, `vllm`, `remote`) executes them. Nothing here touches a model, so the decision logic can be
 tested against a fake reader. Every reader keeps the scheduling contract of docs/design.md §2.2:
 cancellation is the only deadline, bounded reordering, a generation yields after every denoise
-pass, and only `EngineInputError`, `EngineError` and `EngineUnavailable` leave a reader.
+pass, only `EngineInputError`, `EngineError` and `EngineUnavailable` leave a reader, and no request
+holds the engine: an engine turn is bounded (a long prompt is encoded in chunks of PREFILL_CHUNK
+tokens, a read of many canvases or steps runs one pass a turn), and work that needs more turns goes
+back to the end of the queue after each, so a steady client waits at most one step of each heavy
+request ahead of it.
 """
 
 from __future__ import annotations

@@ -103,6 +103,7 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         canvas=options.canvas_length,
         canvas_step=options.canvas_step,
         max_images=options.max_images,
+        prefill_chunk=options.prefill_chunk,
     )
     if options.fused_moe and on_cuda:
         from app.engine.hf.moe.fused import warm_up_experts

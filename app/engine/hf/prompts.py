@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Generic, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Generator, Generic, Mapping, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -210,6 +210,7 @@ class PromptEncodingMixin:
     split_pixels: bool  # images finished on the device (app/engine/hf/pixels.py): CUDA and a Gemma 4 processor
     max_prompt_tokens: int
     max_rows: int
+    prefill_chunk: int
     prompts: PromptCache[CacheKey, EncodedPrompt]
     vision: PromptCache[tuple[str, ...], tuple[list[int], torch.Tensor]]  # images' (soft tokens, features)
     prefixes: PromptCache[int, tuple[tuple[int, ...], EncodedPrompt]]  # shared prefixes' (ids, KV), by chained hash
@@ -650,6 +651,47 @@ class PromptEncodingMixin:
                 layers.append((keys[row:row + 1, :, start:], values[row:row + 1, :, start:]))
             rows.append(layers)
         return copy_rows(rows)  # laid out as the encoder graphs leave KV (prompt_graphs.py)
+
+    def encode_steps(self, prompt: Prompt, preprocessed: Preprocessed | None = None) -> Generator[None, None, EncodedPrompt]:
+        """A long prompt's KV encoded in chunks of `prefill_chunk` tokens, each chunk one encoder pass
+        over the KV of the chunks before it (the sliding-window layers keep their window), with a
+        yield between two chunks so other reads run between them; stored in the LRU like any other
+        prompt. Its images (ahead of the text) go through the vision tower first."""
+        key = prompt.cache_key
+        cached = self.prompts.get(key)
+        if cached is not None:
+            self.stats["kv_hits"] += 1
+            return cached
+        encoder = self.model.model.encoder
+        with torch.no_grad():
+            if prompt.images:
+                inputs = self.model_inputs(prompt, reuse_vision=True, preprocessed=preprocessed)
+                self._image_features([inputs], [key[1]])
+                embeds = self.input_embeds(inputs)
+            else:
+                if len(prompt.ids) > self.max_prompt_tokens:
+                    raise self._too_long(len(prompt.ids))
+                ids = torch.tensor([prompt.ids], dtype=torch.long, device=self.device)
+                embeds = encoder.get_input_embeddings()(ids)[0]
+        length = int(embeds.shape[0])
+        if length > self.max_prompt_tokens:
+            raise self._too_long(length)
+        cache = self._new_cache()
+        for start in range(0, length, self.prefill_chunk):
+            if start:
+                yield  # between two chunks: other work may run
+            end = min(length, start + self.prefill_chunk)
+            with torch.no_grad():
+                positions = torch.arange(start, end, device=self.device).unsqueeze(0)
+                encoder.language_model(inputs_embeds=embeds[None, start:end], position_ids=positions,
+                                       past_key_values=cache)
+            self.stats["encoder_passes"] += 1
+            self.stats["encoder_chunks"] += 1
+        encoded = EncodedPrompt(copy_rows([cache_kv(cache)])[0], length)
+        self.prompts.put(key, encoded)
+        self.stats["kv_misses"] += 1
+        self.stats["prompts_chunked"] += 1
+        return encoded
 
     def _too_long(self, length: int) -> EngineInputError:
         return EngineInputError(

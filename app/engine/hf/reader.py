@@ -24,7 +24,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Generator, Sequence, TypeVar
 
 from app.engine.base import (
     CacheKey,
@@ -72,6 +72,7 @@ class HFOptions:
     fused_moe: bool  # the experts as Triton kernels, CUDA only (app/engine/hf/moe/fused.py)
     canvas_step: int = 16  # canvas widths are multiples of it (the decoder graphs' width buckets)
     max_images: int = 8  # images a request may hold
+    prefill_chunk: int = 2048  # prompt tokens encoded in one engine turn (longer prompts: in chunks)
 
 
 def settle_heap() -> None:
@@ -116,18 +117,36 @@ def compile_counts(runner: DiffusionRunner) -> tuple[int, int, int]:
 AFTER_READY = ("captures_after_ready", "recompiles_after_ready", "triton_compiles_after_ready")
 
 
+Result = TypeVar("Result")
+
+
+def advance(steps: Generator[None, None, Result]) -> tuple[bool, Result | None]:
+    """One step of a stepwise engine generator (on the engine thread): (True, its result) when it
+    ended with that step, else (False, None)."""
+    try:
+        next(steps)
+    except StopIteration as stop:
+        return True, stop.value
+    return False, None
+
+
 def _cache_keys(prompts: Sequence[Prompt]) -> list[CacheKey]:
     return [prompt.cache_key for prompt in prompts]
 
 
 class _ReadJob:
-    """Reads of one caller, waiting for a batch, with their images preprocessed."""
+    """Reads of one caller, waiting for a batch, with their images preprocessed. A `heavy` one (more
+    than one engine turn of work: a long prompt, a multi-step read, more canvases than a pass holds)
+    runs alone, one step a turn (`program`, the runner's `read_steps`), back in line after each."""
 
-    def __init__(self, specs: list[ReadSpec], future: asyncio.Future[list[ReadResult]], images: Preprocessed) -> None:
+    def __init__(self, specs: list[ReadSpec], future: asyncio.Future[list[ReadResult]], images: Preprocessed,
+                 heavy: bool = False) -> None:
         self.specs = specs
         self.future = future
         self.rows = sum(len(spec.canvases) for spec in specs)
         self.images = images
+        self.heavy = heavy
+        self.program: Generator[None, None, list[ReadResult | Exception]] | None = None
 
     @property
     def dropped(self) -> bool:
@@ -255,7 +274,7 @@ class HFReader:
             return []
         self._admit()
         images = await self._preprocess([spec.prompt for spec in specs], reuse=True)
-        job = _ReadJob(list(specs), asyncio.get_running_loop().create_future(), images)
+        job = _ReadJob(list(specs), asyncio.get_running_loop().create_future(), images, heavy=self._heavy(specs))
         self._submit(job)
         return await job.future
 
@@ -276,6 +295,13 @@ class HFReader:
                     return
         finally:
             job.cancelled = True  # the caller stopped listening: the loop drops it at its next turn
+
+    def _heavy(self, specs: Sequence[ReadSpec]) -> bool:
+        """Whether these reads need more than one engine turn: more canvases than MAX_BATCH_ROWS, a
+        multi-step read, or a prompt to encode in chunks (`DiffusionRunner.needs_chunks`)."""
+        rows = sum(len(spec.canvases) for spec in specs)
+        return (rows > self.options.max_batch_rows or any(spec.steps > 1 for spec in specs)
+                or any(self.runner.needs_chunks(spec.prompt) for spec in specs))
 
     def _admit(self) -> None:
         if self._wakeup is None or not self.ready:
@@ -362,6 +388,9 @@ class HFReader:
             if isinstance(job, _GenerateJob):
                 await self._generation_turn(loop, job)
                 continue
+            if job.heavy:
+                await self._heavy_turn(loop, job)
+                continue
             if self.options.gather_ms > 0 and self._busy and job.rows < self.options.max_batch_rows:
                 # Under load, closed-loop clients otherwise split into two half-batches that take
                 # turns; a short wait lets the reads being planned right now join this batch. A lone
@@ -373,7 +402,7 @@ class HFReader:
                     raise
             batch = [job]
             rows = job.rows
-            while self._queue and isinstance(self._queue[0], _ReadJob):
+            while self._queue and isinstance(self._queue[0], _ReadJob) and not self._queue[0].heavy:
                 nxt = self._queue[0]
                 if nxt.dropped:
                     self._release(self._queue.popleft())
@@ -405,7 +434,7 @@ class HFReader:
         """Canvases of the read jobs at the head of the queue (what a batch formed now would take)."""
         rows = 0
         for job in self._queue:
-            if not isinstance(job, _ReadJob):
+            if not isinstance(job, _ReadJob) or job.heavy:
                 break
             if not job.dropped:
                 rows += job.rows
@@ -448,9 +477,9 @@ class HFReader:
                 self._fail(job, exc)
             return
         except Exception as exc:  # noqa: BLE001 - a model failure must reach every waiting request
-            log.exception("engine failure")
+            failure = self._engine_failure(exc, "a read batch")
             for job in batch:
-                self._fail(job, EngineError(f"engine failure: {describe(exc)}"))
+                self._fail(job, failure)
             return
         self._settle_if_built(time.perf_counter() - started)
         self.runner.stats["batches"] += 1
@@ -466,6 +495,41 @@ class HFReader:
             else:
                 job.future.set_result([r for r in mine if not isinstance(r, Exception)])  # all of them
 
+    async def _heavy_turn(self, loop: asyncio.AbstractEventLoop, job: _ReadJob) -> None:
+        """One step of a heavy read (a chunk of a long prompt's encoding, or one decoder pass), then
+        back in line; its results once the last step is done."""
+        if job.program is None:
+            job.program = self.runner.read_steps(job.specs, self._release(job))
+        started = time.perf_counter()
+        try:
+            done, results = await loop.run_in_executor(self._executor, advance, job.program)
+        except asyncio.CancelledError:
+            self._fail(job, EngineUnavailable("the engine stopped"))
+            raise
+        except EngineInputError as exc:
+            self._fail(job, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a model failure must reach the waiting request
+            job.program = None
+            self._fail(job, self._engine_failure(exc, "a heavy read"))
+            return
+        self._settle_if_built(time.perf_counter() - started)
+        self.runner.stats["heavy_turns"] += 1
+        if not done:
+            if job.dropped:
+                job.program.close()  # its caller went away: the rest of its steps never run
+            else:
+                self._queue.append(job)
+            return
+        if job.future.done():
+            return
+        assert results is not None
+        failure = next((r for r in results if isinstance(r, Exception)), None)
+        if failure is not None:
+            job.future.set_exception(failure)
+        else:
+            job.future.set_result([r for r in results if not isinstance(r, Exception)])
+
     async def _generation_turn(self, loop: asyncio.AbstractEventLoop, job: _GenerateJob) -> None:
         """One model pass of a generation (its prompt encoding is the first), then back in line."""
         started = time.perf_counter()
@@ -478,8 +542,7 @@ class HFReader:
             self._fail(job, exc)
             return
         except Exception as exc:  # noqa: BLE001
-            log.exception("engine failure during generation")
-            self._fail(job, EngineError(f"engine failure: {describe(exc)}"))
+            self._fail(job, self._engine_failure(exc, "a generation"))
             return
         self._settle_if_built(time.perf_counter() - started)
         if chunk is not None:
@@ -494,6 +557,22 @@ class HFReader:
             job.state = self.runner.start_generation(job.spec, self.info.canvas_length, images)
             return None
         return self.runner.step_generation(job.state)
+
+    def _engine_failure(self, exc: Exception, work: str) -> EngineError:
+        """What the callers of failed work are told. Out of GPU memory fails only that work, as a
+        503 (the server is not broken, the request was too large for the memory free now); the
+        allocator's cache is emptied and nothing is turned off for anyone. Anything else is a 502."""
+        if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+            import torch
+
+            self.runner.stats["out_of_memory"] += 1
+            log.warning("out of GPU memory during %s: it fails alone (%s)", work, describe(exc))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return EngineUnavailable("the engine ran out of GPU memory for this request; try again, or send a "
+                                     "smaller one")
+        log.error("engine failure during %s", work, exc_info=(type(exc), exc, exc.__traceback__))
+        return EngineError(f"engine failure: {describe(exc)}")
 
     @staticmethod
     def _fail(job: _Job, exc: BaseException) -> None:

@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Generator, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from app.engine.base import Prompt, ReadResult, ReadSpec, SlotRead, StartupProgress
+from app.engine.base import EngineInputError, Prompt, ReadResult, ReadSpec, SlotRead, StartupProgress
 from app.engine.hf.generation import GenerationMixin
 from app.engine.hf.graphs.shapes import ShapePolicy
 from app.engine.hf.parts import layer_types, text_config
@@ -66,6 +66,18 @@ GENERATION_DEFAULTS: dict[str, float] = {
 SLOT_CHUNK = 256
 
 
+Result = TypeVar("Result")
+
+
+def run_steps(steps: Generator[None, None, Result]) -> Result:
+    """Drive a stepwise engine generator (`read_steps`, `encode_steps`) to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
 class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
     def __init__(
         self,
@@ -81,6 +93,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         canvas: int = 128,
         canvas_step: int = 16,
         max_images: int = 8,
+        prefill_chunk: int = 2048,
     ) -> None:
         self.model = model
         self.image_processor = image_processor
@@ -93,6 +106,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self.vocab_size = int(self.text_config.vocab_size)
         self.max_prompt_tokens = max_prompt_tokens
         self.max_rows = max(1, max_rows)
+        self.prefill_chunk = max(16, prefill_chunk)
         self.prompts = PromptCache(kv_entries)
         # Image features by the images' digests: a frame restated in a later stage skips the vision
         # tower (a few MiB an entry).
@@ -253,12 +267,33 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
 
     @torch.no_grad()
     def read(self, specs: Sequence[ReadSpec], preprocessed: Preprocessed | None = None) -> list[ReadResult | Exception]:
-        """Run a batch of reads; a spec whose prompt cannot be read gets its exception instead.
-        `preprocessed` holds images already decoded and processed off this thread (HFReader);
-        images missing there are preprocessed here."""
+        """Run a batch of reads at once (`read_steps` to the end); a spec whose prompt cannot be read
+        gets its exception instead. `preprocessed` holds images already decoded and processed off
+        this thread (HFReader); images missing there are preprocessed here."""
+        return run_steps(self.read_steps(specs, preprocessed))
+
+    def read_steps(self, specs: Sequence[ReadSpec],
+                   preprocessed: Preprocessed | None = None) -> Generator[None, None, list[ReadResult | Exception]]:
+        """The same batch of reads as a generator that yields after each bounded step, so the engine
+        can run other work between any two (app/engine/base.py's scheduling contract): each chunk of
+        `prefill_chunk` tokens of a long prompt's encoding, the encoding of the other prompts, and
+        each decoder pass (a multi-step read's passes, and the passes of more canvases than
+        `max_rows`). Returns what `read` returns. Run it on the engine thread only."""
         results: list[ReadResult | Exception | None] = [None] * len(specs)
+        # (No grad mode held across a yield: each step sets its own, so other work between two
+        # steps runs in whatever mode it sets.)
+        long = self._long_prompts(specs)
+        for prompt, indices in long.items():
+            try:
+                yield from self.encode_steps(prompt, preprocessed)
+            except EngineInputError as exc:
+                for index in indices:
+                    results[index] = exc
+            yield  # the last chunk was a step: the next one is the next prompt's, or the rest
+        pending = [index for index, result in enumerate(results) if result is None]
         encoded: dict[int, EncodedPrompt] = {}
-        for index, outcome in enumerate(self.encode_many([spec.prompt for spec in specs], preprocessed)):
+        outcomes = self.encode_many([specs[index].prompt for index in pending], preprocessed)
+        for index, outcome in zip(pending, outcomes):
             if isinstance(outcome, Exception):
                 results[index] = outcome
             else:
@@ -266,12 +301,17 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         by_steps: dict[int, list[int]] = {}
         for index in encoded:
             by_steps.setdefault(specs[index].steps, []).append(index)
+        passes = 0
         for steps, indices in by_steps.items():
             rows = [(index, canvas_no) for index in indices for canvas_no in range(len(specs[index].canvases))]
             reads: dict[tuple[int, int], tuple[SlotRead, ...]] = {}
             for start in range(0, len(rows), self.max_rows):
                 chunk = rows[start:start + self.max_rows]
-                for key, slot_reads in zip(chunk, self._read_rows(specs, encoded, chunk, steps)):
+                if passes:
+                    yield  # the next decoder pass of this batch: other work may go first
+                passes += steps
+                chunk_reads = yield from self._read_rows(specs, encoded, chunk, steps)
+                for key, slot_reads in zip(chunk, chunk_reads):
                     reads[key] = slot_reads
             for index in indices:
                 spec = specs[index]
@@ -280,9 +320,25 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
                     prompt_tokens=encoded[index].length,
                 )
         self.stats["reads"] += len(specs)
-        outcomes = [result for result in results if result is not None]
-        assert len(outcomes) == len(results), "every read has its result or its exception"
-        return outcomes
+        done = [result for result in results if result is not None]
+        assert len(done) == len(results), "every read has its result or its exception"
+        return done
+
+    def _long_prompts(self, specs: Sequence[ReadSpec]) -> dict[Prompt, list[int]]:
+        """The distinct prompts of `specs` to encode in chunks: text longer than `prefill_chunk`
+        tokens (within `max_prompt_tokens`) and not in the LRU, with the indices of the specs that
+        read them."""
+        long: dict[Prompt, list[int]] = {}
+        for index, spec in enumerate(specs):
+            if self.needs_chunks(spec.prompt):
+                long.setdefault(spec.prompt, []).append(index)
+        return long
+
+    def needs_chunks(self, prompt: Prompt) -> bool:
+        """Whether the prompt's encoding takes more than one engine turn (`prefill_chunk` tokens).
+        Safe to ask from the event loop (one LRU membership test)."""
+        n = len(prompt.ids)
+        return self.prefill_chunk < n <= self.max_prompt_tokens and prompt.cache_key not in self.prompts
 
     def _read_rows(
         self,
@@ -290,23 +346,26 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         encoded: dict[int, EncodedPrompt],
         rows: Sequence[tuple[int, int]],
         steps: int,
-    ) -> list[tuple[SlotRead, ...]]:
+    ) -> Generator[None, None, list[tuple[SlotRead, ...]]]:
+        """`steps` decoder passes over `rows` (a yield between two passes); their slot reads."""
         canvases = [list(specs[index].canvases[canvas_no]) for index, canvas_no in rows]
         prompts = [encoded[index] for index, _ in rows]
         self_conditioning = None
         generators = [self._generator(specs[index].seed * 1000003 + canvas_no) for index, canvas_no in rows]
         for remaining in range(steps, 0, -1):
-            hidden = self.decoder_hidden(list(zip(prompts, canvases)), self_conditioning)
-            if remaining == 1:
-                return self._slot_reads(hidden, [specs[index] for index, _ in rows])
-            # Another step follows: only the slots move; every other position stays pinned.
-            temperature = temperature_at(remaining, steps, self.generation["t_min"], self.generation["t_max"])
-            logits = self.logits(hidden)
-            for row, (index, _) in enumerate(rows):
-                slots = torch.tensor(specs[index].slots, device=self.device)
-                self._denoise_positions(canvases[row], logits[row, slots], temperature, list(specs[index].slots),
-                                        generators[row])
-            self_conditioning = (logits / temperature).to(self.model.dtype)
+            with torch.no_grad():
+                hidden = self.decoder_hidden(list(zip(prompts, canvases)), self_conditioning)
+                if remaining == 1:
+                    return self._slot_reads(hidden, [specs[index] for index, _ in rows])
+                # Another step follows: only the slots move; every other position stays pinned.
+                temperature = temperature_at(remaining, steps, self.generation["t_min"], self.generation["t_max"])
+                logits = self.logits(hidden)
+                for row, (index, _) in enumerate(rows):
+                    slots = torch.tensor(specs[index].slots, device=self.device)
+                    self._denoise_positions(canvases[row], logits[row, slots], temperature, list(specs[index].slots),
+                                            generators[row])
+                self_conditioning = (logits / temperature).to(self.model.dtype)
+            yield
         raise AssertionError("unreachable: steps >= 1")
 
     def _slot_reads(self, hidden: torch.Tensor, specs: Sequence[ReadSpec]) -> list[tuple[SlotRead, ...]]:

@@ -1,6 +1,7 @@
 """The hf engine's scheduling contract (app/engine/base.py), on a fake runner that records what the
 engine thread was asked to do: arrival order kept, a read waits at most one pass behind a
-generation, cancelled work is never run, failures reach exactly the callers they belong to."""
+generation or a heavy read's step, cancelled work is never run, failures reach exactly the callers
+they belong to."""
 
 from __future__ import annotations
 
@@ -26,16 +27,19 @@ from app.engine.base import (
 from app.engine.hf.reader import HFOptions, HFReader
 
 
-def spec(tag: int, canvases: int = 1) -> ReadSpec:
-    return ReadSpec(Prompt((tag,)), tuple((tag,) for _ in range(canvases)), (0,), ((1, 2),))
+def spec(tag: int, canvases: int = 1, tokens: int = 1, steps: int = 1) -> ReadSpec:
+    """A read the fake runner knows by its tag (the prompt's first id); `tokens` prompt ids."""
+    return ReadSpec(Prompt((tag,) * tokens), tuple((tag,) for _ in range(canvases)), (0,), ((1, 2),), steps=steps)
 
 
 class FakeRunner:
     """Stands in for DiffusionRunner: every call is logged; reads and passes take `delay` seconds."""
 
-    def __init__(self, delay: float = 0.03, passes: int = 6) -> None:
+    def __init__(self, delay: float = 0.03, passes: int = 6, chunk: int = 4, max_rows: int = 64) -> None:
         self.delay = delay
         self.passes = passes
+        self.chunk = chunk  # prompt ids a step encodes (PREFILL_CHUNK)
+        self.max_rows = max_rows
         self.stats: Counter[str] = Counter()
         self.log: list[tuple[str, object]] = []
         self.lock = threading.Lock()
@@ -57,6 +61,25 @@ class FakeRunner:
                 out.append(ReadResult(slots=slots, prompt_tokens=1))
         return out
 
+    def needs_chunks(self, prompt):
+        return len(prompt.ids) > self.chunk
+
+    def read_steps(self, specs, preprocessed=None):
+        """Like DiffusionRunner.read_steps: a step per chunk of a long prompt and per decoder pass
+        (`steps` passes a group of max_rows canvases), each taking `delay` and logged."""
+        tag = specs[0].prompt.ids[0]
+        steps = sum(-(-len(s.prompt.ids) // self.chunk) if self.needs_chunks(s.prompt) else 0 for s in specs)
+        rows = sum(len(s.canvases) for s in specs)
+        steps += -(-rows // self.max_rows) * max(s.steps for s in specs)
+        for number in range(steps):
+            if number:
+                yield
+            time.sleep(self.delay)
+            with self.lock:
+                self.log.append(("step", tag))
+        return [ReadResult(slots=tuple((SlotRead((-0.5, -1.0), 1),) for _ in s.canvases), prompt_tokens=1)
+                for s in specs]
+
     def start_generation(self, spec, canvas_length, preprocessed=None):
         time.sleep(self.delay)
         self.log.append(("encode", spec.seed))
@@ -73,6 +96,7 @@ class FakeRunner:
 
 
 def make_reader(runner: FakeRunner, max_rows: int = 64, gather_ms: float = 0) -> HFReader:
+    runner.max_rows = max_rows
     options = HFOptions(device="cpu", max_prompt_tokens=100, kv_cache_entries=0, max_batch_rows=max_rows,
                         gather_ms=gather_ms,
                         queue_limit=64, served_name="fake", canvas_length=16, tiny=True, torch_threads=0,
@@ -299,3 +323,84 @@ def test_a_read_waiting_in_the_gather_window_when_the_engine_stops_is_told_so():
             await asyncio.wait_for(waiting, 1.0)  # told at once, not left to its own timeout
 
     after_a_busy_batch(5000, stopped_while_gathering)
+
+
+def test_a_steady_client_waits_at_most_one_step_of_each_heavy_request_beside_it():
+    """The heavy burst of the served bench, on the fake engine: a long prompt (26 chunks), a read of
+    many canvases (4 passes), a multi-step read (8 steps) and a long thought (60 passes) take turns
+    with a steady client's one-canvas reads, which each wait at most one turn of each of them
+    (counted in engine turns, not wall time), while all of them finish."""
+    runner = FakeRunner(delay=0.004, passes=60)
+    reader = make_reader(runner, max_rows=8)
+    waits: list[int] = []
+
+    async def steady() -> None:
+        for tag in range(200, 215):
+            before = len(runner.log)
+            await reader.read([spec(tag)])
+            waits.append(len(runner.log) - before - 1)  # turns of others between its arrival and its read
+
+    async def scenario():
+        await reader.start()
+        heavy = [asyncio.create_task(reader.read([spec(1, tokens=26 * runner.chunk)])),
+                 asyncio.create_task(reader.read([spec(2, canvases=4 * 8)])),
+                 asyncio.create_task(reader.read([spec(3, canvases=2, steps=8)])),
+                 asyncio.create_task(reader.generate(GenerateSpec(Prompt((4,)), 64, (), seed=4)))]
+        await asyncio.sleep(0.02)  # the burst is in the queue and running
+        await steady()
+        results = await asyncio.gather(*heavy)
+        await reader.stop()
+        return results
+
+    results = run(scenario())
+    assert len(results[0]) == 1 and len(results[1][0].slots) == 32 and len(results[2][0].slots) == 2
+    assert max(waits) <= 4, waits  # one step of each of the four heavy requests at most
+    steps = [tag for kind, tag in runner.log if kind == "step"]
+    assert steps.count(1) == 26 + 1 and steps.count(2) == 4 and steps.count(3) == 8  # 26 chunks, then its pass
+    assert runner.stats["heavy_turns"] == 27 + 4 + 8
+
+
+def test_a_heavy_read_whose_caller_leaves_stops_at_its_next_step():
+    runner = FakeRunner(delay=0.01)
+    reader = make_reader(runner, max_rows=8)
+
+    async def scenario():
+        await reader.start()
+        task = asyncio.create_task(reader.read([spec(7, tokens=100 * runner.chunk)]))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.1)
+        taken = len(runner.log)
+        await asyncio.sleep(0.1)
+        await reader.stop()
+        return taken
+
+    taken = run(scenario())
+    assert len(runner.log) == taken < 100  # no step ran after the caller left
+
+
+def test_out_of_memory_fails_only_the_batch_that_hit_it_as_a_503():
+    import torch
+
+    runner = FakeRunner(delay=0.01)
+    reader = make_reader(runner)
+    real = runner.read
+
+    def read(specs, preprocessed=None):
+        if specs[0].prompt.ids[0] == 66:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(specs, preprocessed)
+
+    runner.read = read
+
+    async def scenario():
+        await reader.start()
+        with pytest.raises(EngineUnavailable, match="out of GPU memory"):
+            await reader.read([spec(66)])
+        after = await reader.read([spec(67)])  # the next read is served as before
+        await reader.stop()
+        return after
+
+    assert len(run(scenario())) == 1
+    assert runner.stats["out_of_memory"] == 1 and reader.degraded is None  # nothing degraded for others

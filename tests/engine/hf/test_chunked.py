@@ -1,0 +1,99 @@
+"""Long prompts encoded in chunks of PREFILL_CHUNK tokens (app/engine/hf/prompts.py `encode_steps`,
+app/engine/hf/runner.py `read_steps`), on the tiny model in float32: the same KV and the same slot
+distributions as the prompt encoded whole, across the sliding-window boundary (the tiny model's window
+is 64 tokens) and with an image ahead of the text; and the chunks take turns with other reads."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from app.engine.base import ImageInput, Prompt
+from app.engine.hf.runner import run_steps
+from tests.conftest import make_tiny_reader
+from tests.engine.hf.graphs.test_encoder import assert_same_kv, jpeg
+from tests.engine.hf.test_reader import spec_for
+
+LONG_STATE = " ".join(f"word{i % 97} and{i % 13}" for i in range(120))
+
+
+def long_spec(tokenizer, state: str = LONG_STATE):
+    return spec_for(tokenizer, state, "q1: yes\nq2: no", [42, 7, 3])
+
+
+def assert_same_reads(a, b):
+    for ra, rb in zip(a, b):
+        assert ra.prompt_tokens == rb.prompt_tokens
+        for canvas_a, canvas_b in zip(ra.slots, rb.slots):
+            for slot_a, slot_b in zip(canvas_a, canvas_b):
+                assert slot_a.label_logprobs == pytest.approx(slot_b.label_logprobs, abs=1e-4)
+                assert slot_a.argmax_id == slot_b.argmax_id
+
+
+@pytest.mark.parametrize("chunk", [16, 48, 100])  # under, near and past the 64-token window
+@torch.no_grad()
+def test_a_long_prompt_encoded_in_chunks_reads_as_encoded_whole(tiny_dir, eager_runner, tokenizer, chunk):
+    spec = long_spec(tokenizer)
+    assert len(spec.prompt.ids) > 4 * 64  # well past the sliding window
+    whole = eager_runner.encode_many([spec.prompt])[0]
+    runner = make_tiny_reader(tiny_dir, prefill_chunk=chunk).runner
+    assert runner.needs_chunks(spec.prompt)
+    chunked = run_steps(runner.encode_steps(spec.prompt))
+    assert_same_kv(whole, chunked)
+    assert runner.stats["encoder_chunks"] == -(-len(spec.prompt.ids) // chunk)
+    assert not runner.needs_chunks(spec.prompt)  # now in the LRU: a warm read is a decoder pass
+    reader = make_tiny_reader(tiny_dir, prefill_chunk=chunk).runner
+    assert_same_reads(eager_runner.read([spec]), reader.read([spec]))
+    assert reader.stats["encoder_chunks"] > 1
+
+
+@torch.no_grad()
+def test_an_image_ahead_of_a_long_text_is_encoded_in_chunks_the_same(tiny_dir, eager_runner, tokenizer):
+    frame = (ImageInput(jpeg((120, 30, 200)), "image/jpeg", "frame"),)
+    prompt = Prompt(tuple(tokenizer.render_chat("Look.", LONG_STATE, 1, False)), frame)
+    whole = eager_runner.encode_many([prompt])[0]
+    runner = make_tiny_reader(tiny_dir, prefill_chunk=40).runner
+    chunked = run_steps(runner.encode_steps(prompt))
+    assert chunked.length == whole.length > len(prompt.ids)  # the soft tokens expanded, then chunked
+    assert_same_kv(whole, chunked)
+    assert runner.stats["vision_passes"] == 1 and runner.stats["encoder_chunks"] > 1
+
+
+def test_a_prompt_past_the_limit_is_refused_before_any_chunk(tiny_dir, tokenizer):
+    runner = make_tiny_reader(tiny_dir, prefill_chunk=16, max_prompt_tokens=200).runner
+    spec = long_spec(tokenizer)
+    assert len(spec.prompt.ids) > 200 and not runner.needs_chunks(spec.prompt)
+    (result,) = runner.read([spec])
+    assert isinstance(result, Exception) and "at most 200" in str(result)
+    assert runner.stats["encoder_chunks"] == 0
+
+
+def test_the_chunks_of_a_long_read_take_turns_with_short_reads(tiny_dir, tokenizer):
+    """Through the reader: a long prompt's chunks are heavy turns; short reads arriving meanwhile are
+    answered between them, long before the long read ends."""
+    reader = make_tiny_reader(tiny_dir, prefill_chunk=48)
+    long = long_spec(tokenizer)
+    chunks = -(-len(long.prompt.ids) // 48)
+    order: list[str] = []
+
+    async def scenario():
+        await reader.start()
+        task = asyncio.create_task(reader.read([long]))
+        task.add_done_callback(lambda _: order.append("long"))
+        await asyncio.sleep(0)  # queued first
+        for n in range(3):
+            await reader.read([spec_for(tokenizer, f"short {n}", "q1: yes", [5])])
+            order.append(f"short {n}")
+        turns_when_short_done = reader.stats["heavy_turns"]
+        (result,) = await task
+        await reader.stop()
+        return turns_when_short_done, result
+
+    turns, result = asyncio.run(scenario())
+    assert len(spec_for(tokenizer, "short 0", "q1: yes", [5]).prompt.ids) <= 48  # one turn each
+    assert order == ["short 0", "short 1", "short 2", "long"]
+    assert turns < chunks  # the short reads were answered while the long prompt was still encoding
+    assert reader.stats["heavy_turns"] == chunks + 1  # every chunk, then its decoder pass
+    assert len(result.slots) == 3
