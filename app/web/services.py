@@ -1,5 +1,5 @@
 """What routes need, built once per app: settings, the reader, the decider, admission, the open
-camera sessions, and the small worker pool that keeps request-sized work off the event loop.
+camera sessions and their pacer, and the small worker pool that keeps request-sized work off the event loop.
 
 Routes reach it through `services(request)`; app/server.py builds it. app/web never imports
 app/server.py, so the wiring reads one way: server → web.
@@ -24,6 +24,7 @@ from app.decisions.run import Decider
 from app.engine.base import Reader
 from app.web.admission import Admission
 from app.web.metrics import Metrics
+from app.web.pacing import Pacer, PacingRules
 
 T = TypeVar("T")
 
@@ -44,6 +45,7 @@ class Services:
     reader: Reader
     decider: Decider
     admission: Admission
+    pacer: Pacer  # camera sessions: the capacity estimate, admission by load, each session's pace
     workers: anyio.CapacityLimiter  # the pool the decider offloads to as well (build)
     started: float = field(default_factory=time.time)
     sessions: dict[str, Any] = field(default_factory=dict)  # open /v1/stream sessions by id
@@ -59,6 +61,7 @@ class Services:
             # The decider plans in the same bounded pool as parsing and validation.
             decider=Decider(reader, read_settings(settings), offload=functools.partial(_offload_in, workers)),
             admission=Admission(settings.limits.max_inflight, settings.limits.max_inflight_cost),
+            pacer=Pacer(pacing_rules(settings)),
             workers=workers,
         )
 
@@ -76,6 +79,14 @@ class Services:
     def plan(self, decision: Decision) -> Plan:
         """What a decision will read and cost (blocking: bounded by the limits; `prepare` decides where)."""
         return self.decider.plan(decision)
+
+
+def pacing_rules(settings: Settings) -> PacingRules:
+    """The camera pacer's rules, from Settings' stream section."""
+    stream = settings.stream
+    return PacingRules(min_session_fps=stream.min_session_fps, max_session_fps=stream.max_session_fps,
+                       capacity_start=stream.session_capacity_start, headroom=stream.session_headroom,
+                       window_s=stream.session_window)
 
 
 async def _offload_in(workers: anyio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
