@@ -51,6 +51,9 @@ class Services:
     sessions: dict[str, Any] = field(default_factory=dict)  # open /v1/stream sessions by id
     metrics: Metrics = field(default_factory=Metrics)  # this app's own registry (/metrics)
 
+    def __post_init__(self) -> None:
+        self.metrics.paced(self.pacer.capacity, self.pacer.pace, self.pacer.next_frame_ms())
+
     @classmethod
     def build(cls, settings: Settings, reader: Reader) -> "Services":
         workers = anyio.CapacityLimiter(WORKER_THREADS)
