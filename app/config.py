@@ -137,6 +137,39 @@ class LimitSettings:
 
 
 @dataclass(frozen=True)
+class StreamSettings:
+    """Camera sessions (/v1/stream): how fast each is paced, and how many the engine can keep fresh
+    (app/web/pacing.py; docs/design.md, "Camera sessions: pacing and admission")."""
+
+    min_session_fps: float = field(default=1.5, metadata=_meta(
+        "MIN_SESSION_FPS", "answers/s each camera session is promised; one more session is refused (1013) "
+        "once (sessions + 1) x this passes the capacity x SESSION_HEADROOM"))
+    max_session_fps: float = field(default=4.0, metadata=_meta(
+        "MAX_SESSION_FPS", "the fastest a camera session is asked to send (next_frame_ms never below 1000 / this)"))
+    session_capacity_start: float = field(default=8.0, metadata=_meta(
+        "SESSION_CAPACITY_START", "camera frames/s the engine is assumed to answer until it has been measured "
+        "(conservative: more sessions are admitted as more is measured)"))
+    session_headroom: float = field(default=0.8, metadata=_meta(
+        "SESSION_HEADROOM", "share of the measured camera capacity that admission may promise to sessions"))
+    session_window: float = field(default=3.0, metadata=_meta(
+        "SESSION_WINDOW", "seconds of answers (and at least 8) each camera-capacity measurement spans"))
+
+    def problems(self) -> list[str]:
+        problems = []
+        if not 0 < self.min_session_fps <= self.max_session_fps:
+            problems.append("MIN_SESSION_FPS must be more than 0 and at most MAX_SESSION_FPS")
+        if not 0 < self.max_session_fps <= 1000:
+            problems.append("MAX_SESSION_FPS must be more than 0 and at most 1000")
+        if not self.session_capacity_start > 0:
+            problems.append("SESSION_CAPACITY_START must be more than 0 frames/s")
+        if not 0 < self.session_headroom <= 1:
+            problems.append("SESSION_HEADROOM must be in (0, 1]")
+        if not self.session_window > 0:
+            problems.append("SESSION_WINDOW must be more than 0 seconds")
+        return problems
+
+
+@dataclass(frozen=True)
 class HFSettings:
     """The hf engine (transformers in this process)."""
 
@@ -243,6 +276,7 @@ class Settings:
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     decisions: DecisionSettings = field(default_factory=DecisionSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
+    stream: StreamSettings = field(default_factory=StreamSettings)
     hf: HFSettings = field(default_factory=HFSettings)
     remote: RemoteSettings = field(default_factory=RemoteSettings)
     vllm: VLLMSettings = field(default_factory=VLLMSettings)

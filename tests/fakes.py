@@ -7,6 +7,7 @@ Every call is recorded, so tests can assert on prompts, canvases and fan-out.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Callable, Sequence
 
@@ -77,3 +78,32 @@ class ScriptedReader:
         self.calls.append(("generate", spec))
         closed = len(self.thought) < spec.max_tokens
         return GenerateResult(ids=self.thought[: spec.max_tokens], stopped=closed, prompt_tokens=PROMPT_TOKENS)
+
+
+class BatchingReader(ScriptedReader):
+    """A slow engine that batches: a pass takes `pass_s` seconds and answers the reads waiting when
+    it began, at most `batch` of them; reads that arrive meanwhile wait for the next pass. Its
+    capacity is `batch / pass_s` reads a second, whatever the machine."""
+
+    def __init__(self, tokenizer: ChatTokenizer, batch: int, pass_s: float, **options) -> None:
+        super().__init__(tokenizer, **options)
+        self.batch, self.pass_s = batch, pass_s
+        self.passes: list[int] = []  # reads answered by each pass
+        self._waiting: list[tuple[Sequence[ReadSpec], asyncio.Future]] = []
+        self._engine: asyncio.Task | None = None
+
+    async def read(self, specs: Sequence[ReadSpec]) -> list[ReadResult]:
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._waiting.append((specs, future))
+        if self._engine is None or self._engine.done():
+            self._engine = asyncio.create_task(self._run())
+        return await future
+
+    async def _run(self) -> None:
+        while self._waiting:
+            taken, self._waiting = self._waiting[: self.batch], self._waiting[self.batch:]
+            await asyncio.sleep(self.pass_s)
+            self.passes.append(len(taken))
+            for specs, future in taken:
+                if not future.done():  # a read whose decision was cancelled is dropped
+                    future.set_result(await ScriptedReader.read(self, specs))

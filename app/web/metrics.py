@@ -9,8 +9,9 @@ Three sources, so that call sites stay few:
 - `LiveCollector` reads the live state at scrape time: admission (decisions in flight and their
   cost), camera sessions open, whether the reader is ready, and the reader's own `stats`, exported
   under the engine's name (`djev_hf_decoder_passes_total`).
-- `Metrics.decided()` and `Metrics.frame_decided()` / `frame_dropped()` count what cannot be read
-  afterwards: decisions with their latency, canvases and tokens, and camera frames.
+- `Metrics.decided()`, `Metrics.frame_decided()` / `frame_dropped()` and `session_opened()` /
+  `paced()` count what cannot be read afterwards: decisions with their latency, canvases and tokens,
+  camera frames, camera sessions admitted or refused, and the camera pacer's estimate and pace.
 
 Each app has its own `CollectorRegistry` (never the process-wide default): tests build many apps
 in one process, and two servers in one process must not share counts. Every name, type and label
@@ -25,7 +26,7 @@ import re
 import time
 from typing import Any, Collection, Iterable, Mapping, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
@@ -41,6 +42,10 @@ log = logging.getLogger("djev.metrics")
 # Seconds: a cached tiny-model read takes milliseconds, a big decision on a CPU tens of seconds,
 # and REQUEST_TIMEOUT (120 s by default) ends the rest.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Seconds, around the walk page's 1.5 s guard on the age of the answer it shows.
+FRESHNESS_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+# How a camera session's opening ended (djev_stream_sessions_opened_total's `result`).
+SESSION_RESULTS = ("admitted", "refused_load", "refused_max_sessions")
 
 UNMATCHED = "unmatched"  # the route label of a URL no route matches (404s to arbitrary paths)
 CLIENT_LEFT = 499  # the status label of a request whose client went away before any answer
@@ -194,6 +199,22 @@ class Metrics:
         self.answer_age = Histogram("djev_stream_answer_age_seconds",
                                     "camera frames: seconds from a frame's arrival to its result being sent",
                                     buckets=LATENCY_BUCKETS, registry=r)
+        # The answer's age plus the next_frame_ms sent with it: how old the answer on a page is by the
+        # time the session's next frame is due (pacing keeps it under the walk page's 1.5 s).
+        self.age_before_next = Histogram("djev_stream_age_before_next_seconds",
+                                         "camera frames: the answer's age plus the next_frame_ms sent with it",
+                                         buckets=FRESHNESS_BUCKETS, registry=r)
+        self.sessions_opened = Counter("djev_stream_sessions_opened",
+                                       "camera sessions asking to open, by result: admitted, or refused with 1013 "
+                                       "for load or past MAX_SESSIONS", ["result"], registry=r)
+        for result in SESSION_RESULTS:
+            self.sessions_opened.labels(result=result)
+        self.capacity = Gauge("djev_stream_capacity_fps",
+                              "camera frames/s the engine has been seen to answer (what admission promises from)",
+                              registry=r)
+        self.pace = Gauge("djev_stream_pace_fps", "camera frames/s the sessions are paced to, in all", registry=r)
+        self.next_frame_ms = Gauge("djev_stream_next_frame_ms", "the interval camera sessions are asked to send at",
+                                   registry=r)
 
     def watch(self, services: LiveServices) -> None:
         """Export `services`' live state (admission, sessions, reader stats) at every scrape."""
@@ -216,6 +237,20 @@ class Metrics:
 
     def frame_dropped(self) -> None:
         self.frames.labels(result="dropped").inc()
+
+    def frame_paced(self, age_seconds: float, next_frame_ms: float) -> None:
+        """A camera answer sent with `next_frame_ms`, `age_seconds` after its frame arrived."""
+        self.age_before_next.observe(max(age_seconds, 0.0) + max(next_frame_ms, 0.0) / 1000)
+
+    def session_opened(self, result: str) -> None:
+        """A camera session asked to open: one of SESSION_RESULTS."""
+        self.sessions_opened.labels(result=result).inc()
+
+    def paced(self, capacity_fps: float, pace_fps: float, next_frame_ms: float) -> None:
+        """The camera pacer's state after a change."""
+        self.capacity.set(capacity_fps)
+        self.pace.set(pace_fps)
+        self.next_frame_ms.set(next_frame_ms)
 
     def request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, method=method, status=str(status)).inc()

@@ -1,5 +1,5 @@
 """What routes need, built once per app: settings, the reader, the decider, admission, the open
-camera sessions, and the small worker pool that keeps request-sized work off the event loop.
+camera sessions and their pacer, and the small worker pool that keeps request-sized work off the event loop.
 
 Routes reach it through `services(request)`; app/server.py builds it. app/web never imports
 app/server.py, so the wiring reads one way: server → web.
@@ -30,6 +30,7 @@ from app.decisions.run import Decider
 from app.engine.base import EngineUnavailable, Reader
 from app.web.admission import Admission
 from app.web.metrics import Metrics
+from app.web.pacing import Pacer, PacingRules
 
 T = TypeVar("T")
 
@@ -49,12 +50,16 @@ class Services:
     limits: Limits  # the decision core's request limits, from settings
     reader: Reader
     admission: Admission
+    pacer: Pacer  # camera sessions: the capacity estimate, admission by load, each session's pace
     workers: anyio.CapacityLimiter  # the pool the decider offloads to as well (build)
     started: float = field(default_factory=time.time)
     sessions: dict[str, Any] = field(default_factory=dict)  # open /v1/stream sessions by id
     metrics: Metrics = field(default_factory=Metrics)  # this app's own registry (/metrics)
     _decider: Decider | None = field(default=None, repr=False)
     _decider_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.metrics.paced(self.pacer.capacity, self.pacer.pace, self.pacer.next_frame_ms())
 
     @classmethod
     def build(cls, settings: Settings, reader: Reader) -> "Services":
@@ -63,6 +68,7 @@ class Services:
             limits=limits(settings),
             reader=reader,
             admission=Admission(settings.limits.max_inflight, settings.limits.max_inflight_cost),
+            pacer=Pacer(pacing_rules(settings)),
             workers=anyio.CapacityLimiter(WORKER_THREADS),
         )
         try:
@@ -108,6 +114,14 @@ class Services:
     def plan(self, decision: Decision) -> Plan:
         """What a decision will read and cost (blocking: bounded by the limits; `prepare` decides where)."""
         return self.decider.plan(decision)
+
+
+def pacing_rules(settings: Settings) -> PacingRules:
+    """The camera pacer's rules, from Settings' stream section."""
+    stream = settings.stream
+    return PacingRules(min_session_fps=stream.min_session_fps, max_session_fps=stream.max_session_fps,
+                       capacity_start=stream.session_capacity_start, headroom=stream.session_headroom,
+                       window_s=stream.session_window)
 
 
 async def _offload_in(workers: anyio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:

@@ -11,6 +11,12 @@ cancelled and the socket closes with 1011 and a reason, so no session keeps taki
 never answer. At most MAX_SESSIONS sessions are open at once; one more is closed with 1013, and
 so is every session opened while the model is starting.
 Errors reach the client through the same map as every REST route (app/web/errors.py).
+
+Pacing (app/web/pacing.py): once authenticated, a session is admitted only while the camera
+capacity the engine has shown leaves MIN_SESSION_FPS for one more (else 1013, before `ready`, with a
+reason naming the load); `ready` and every `result` carry `next_frame_ms`, the interval the client
+should send its next frame at; each answered frame's timings feed the pacer's estimate. An admitted
+session is never closed for load.
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ class _Frame:
     number: int
     image: ImageInput
     received: float
+    interval_ms: int  # the next_frame_ms the session had been told when this frame arrived
 
 
 class StreamSession:
@@ -103,6 +110,7 @@ class StreamSession:
         self.wakeup = asyncio.Event()
         self.send_lock = asyncio.Lock()
         self.rate = RateLimit()
+        self.interval_ms = services.pacer.next_frame_ms()  # the next_frame_ms last sent to the client
 
     # ------------------------------------------------------------------ sending
 
@@ -111,9 +119,11 @@ class StreamSession:
             await self.ws.send_text(json.dumps(message, ensure_ascii=False, allow_nan=False))
 
     async def send_error(self, exc: BaseException, frame: int | None = None) -> None:
-        """An error that does not end the session, as the error map says (status and envelope)."""
+        """An error that does not end the session, as the error map says (status and envelope); a
+        frame's error carries next_frame_ms as a result does."""
         reply = error_reply(exc)
-        await self.send({"type": "error", "frame": frame, "status": reply.status, **reply.envelope})
+        paced = {} if frame is None else {"next_frame_ms": self.interval_ms}
+        await self.send({"type": "error", "frame": frame, "status": reply.status, **reply.envelope, **paced})
 
     # ------------------------------------------------------------------ receiving
 
@@ -218,7 +228,7 @@ class StreamSession:
             self.dropped.append(self.pending.number)
             self.dropped_total += 1
             self.services.metrics.frame_dropped()
-        self.pending = _Frame(number=self.frames, image=image, received=time.monotonic())
+        self.pending = _Frame(number=self.frames, image=image, received=time.monotonic(), interval_ms=self.interval_ms)
         self.wakeup.set()
 
     # ------------------------------------------------------------------ deciding
@@ -246,7 +256,7 @@ class StreamSession:
             return
         done = time.monotonic()
         self.decided += 1
-        self.services.metrics.frame_decided(done - frame.received)
+        self.pace(frame, done)
         dropped, self.dropped = self.dropped, []
         await self.send({
             "type": "result",
@@ -259,7 +269,22 @@ class StreamSession:
             },
             "dropped": dropped,
             "dropped_total": self.dropped_total,
+            "next_frame_ms": self.interval_ms,
         })
+
+    def pace(self, frame: _Frame, done: float) -> None:
+        """Feed the pacer one answered frame (a newer frame already waiting means the client is ahead
+        of the engine), and take the interval to send with its result."""
+        pacer, metrics = self.services.pacer, self.services.metrics
+        age = done - frame.received
+        window = pacer.answered(done, age, frame.interval_ms, waiting=self.pending is not None)
+        if window is not None:
+            log.debug("camera pacing: %d answers in %.1f s (%d engine-bound): %s; capacity %.1f, pace %.1f frames/s",
+                      window.answers, window.seconds, window.engine_bound, window.verdict, window.capacity, window.pace)
+        self.interval_ms = pacer.next_frame_ms()
+        metrics.frame_decided(age)
+        metrics.frame_paced(age, self.interval_ms)
+        metrics.paced(pacer.capacity, pacer.pace, self.interval_ms)
 
 
 def _b64decode(payload: str) -> bytes:
@@ -300,16 +325,20 @@ async def stream(websocket: WebSocket) -> None:
         return
     limit = services.settings.limits.max_sessions
     if len(services.sessions) >= limit:
+        services.metrics.session_opened("refused_max_sessions")
         await _close(websocket, CLOSE_TRY_LATER, f"too many camera sessions: at most {limit}; try again later")
         return
     session = StreamSession(services, websocket)
     services.sessions[session.id] = session
+    admitted = False
     try:
         await session.authenticate(token)
+        admit(services, session)
+        admitted = True
         info = services.reader.info
         await session.send({
             "type": "ready", "session": session.id, "model": info.model, "engine": info.engine,
-            "device": info.device, "tiny": info.tiny,
+            "device": info.device, "tiny": info.tiny, "next_frame_ms": session.interval_ms,
             "limits": {"frame_bytes": services.settings.limits.max_image_bytes, "messages_per_second": RATE_PER_SECOND},
         })
         await supervise(session)
@@ -324,6 +353,21 @@ async def stream(websocket: WebSocket) -> None:
             await _close(websocket, reply.close_code, f"session failed: {reply.message}")
     finally:
         services.sessions.pop(session.id, None)
+        if admitted:
+            services.pacer.leave(session.id)
+            services.metrics.paced(services.pacer.capacity, services.pacer.pace, services.pacer.next_frame_ms())
+
+
+def admit(services: Services, session: StreamSession) -> None:
+    """Admit `session` to the pacer, or raise the 1013 that names the load."""
+    pacer = services.pacer
+    verdict = pacer.admit(session.id)
+    if not verdict.admitted:
+        services.metrics.session_opened("refused_load")
+        raise Closing(CLOSE_TRY_LATER, verdict.reason)
+    services.metrics.session_opened("admitted")
+    session.interval_ms = pacer.next_frame_ms()
+    services.metrics.paced(pacer.capacity, pacer.pace, session.interval_ms)
 
 
 routes = [WebSocketRoute("/v1/stream", stream)]

@@ -131,8 +131,9 @@ class ScriptedStream:
     """Stands in for the server's /v1/stream (Playwright's websocket routing): records configs and
     frames; the test answers each frame when it chooses."""
 
-    def __init__(self, page):
+    def __init__(self, page, ready: dict | None = None):
         self.page = page
+        self.ready = ready or {}  # more fields of the `ready` message (next_frame_ms)
         self.configs: list[dict] = []
         self.frames = 0  # over every connection
         self.session_frames = 0  # on the current one: the server numbers a session's frames from 1
@@ -147,7 +148,7 @@ class ScriptedStream:
         self.session_frames = 0
         route.on_message(self.on_message)
         route.send(json.dumps({"type": "ready", "session": "ws_test", "model": "djev-tiny-random",
-                               "engine": "hf", "device": "cpu", "tiny": True, "limits": {}}))
+                               "engine": "hf", "device": "cpu", "tiny": True, "limits": {}, **self.ready}))
 
     def on_message(self, message) -> None:
         if isinstance(message, bytes):
@@ -353,3 +354,51 @@ def test_the_walk_page_says_the_model_is_starting_until_it_is_ready(page_factory
         banner.wait_for(state="hidden", timeout=10_000)
         assert page.text_content("#served") == "dgemma · fake · cpu"
         assert page.errors == []
+
+
+# Records when the page sends each binary frame, by the page's own clock (patched on whatever
+# WebSocket the page has, Playwright's routed one included).
+FRAME_SENDS = """() => {
+  window.frameSends = [];
+  const send = WebSocket.prototype.send;
+  WebSocket.prototype.send = function (data) {
+    if (typeof data !== "string") window.frameSends.push(performance.now());
+    return send.call(this, data);
+  };
+}"""
+
+
+def test_walk_follows_the_servers_next_frame_ms(page_server, page_factory):
+    page = page_factory(**PHONE)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(f"{page_server}/walk{NO_STALE}")
+    page.set_default_timeout(TIMEOUT_MS)
+    stream = ScriptedStream(page, ready={"next_frame_ms": 900})
+    page.evaluate(FRAME_SENDS)  # after Playwright's routing has put its WebSocket in place
+    page.click("#toggle")
+    stream.wait_frames(1)  # the first frame goes as soon as the server is ready
+    assert page.get_attribute("#banner", "data-next-frame-ms") == "900"
+
+    def answer(next_frame_ms: int) -> None:
+        stream.answer({"type": "result", "answers": {"ahead": hazard("all clear ahead", 0.8), "side": None},
+                       "diagnostics": {}, "dropped": [], "dropped_total": 0, "next_frame_ms": next_frame_ms})
+
+    # Each answer comes at once, with a new pace: the next frame waits it out from the last send.
+    paces = [600, 1200, 300]
+    for index, pace in enumerate(paces, start=1):
+        answer(pace)
+        stream.wait_frames(index + 1)
+    sends = page.evaluate("window.frameSends")
+    gaps = [later - earlier for earlier, later in zip(sends, sends[1:])]
+    assert len(gaps) == 3
+    for gap, pace in zip(gaps, paces):
+        assert pace - 5 <= gap <= pace + 700, (gaps, paces)  # never sooner; capturing takes a little
+    assert page.get_attribute("#banner", "data-next-frame-ms") == "300"
+
+    # An answer slower than the pace: nothing goes out before it comes.
+    page.wait_for_timeout(900)
+    assert stream.frames == 4
+    answer(300)
+    stream.wait_frames(5)
+    assert errors == []

@@ -169,6 +169,25 @@ def test_decided_counts_decisions_latency_canvases_and_tokens():
     assert value(samples, "djev_decision_duration_seconds_bucket", route="systemone", le="1.0") == 2
 
 
+def test_camera_pacing_metrics_start_at_zero_and_follow_the_pacer():
+    metrics = Metrics()
+    samples = scrape(metrics)
+    for result in ("admitted", "refused_load", "refused_max_sessions"):
+        assert value(samples, "djev_stream_sessions_opened_total", result=result) == 0
+    metrics.session_opened("admitted")
+    metrics.session_opened("refused_load")
+    metrics.paced(12.5, 15.0, 320)
+    metrics.frame_paced(0.4, 320)
+    samples = scrape(metrics)
+    assert value(samples, "djev_stream_sessions_opened_total", result="admitted") == 1
+    assert value(samples, "djev_stream_sessions_opened_total", result="refused_load") == 1
+    assert value(samples, "djev_stream_capacity_fps") == 12.5 and value(samples, "djev_stream_pace_fps") == 15
+    assert value(samples, "djev_stream_next_frame_ms") == 320
+    assert value(samples, "djev_stream_age_before_next_seconds_sum") == pytest.approx(0.72)
+    assert value(samples, "djev_stream_age_before_next_seconds_bucket", le="0.5") == 0
+    assert value(samples, "djev_stream_age_before_next_seconds_bucket", le="0.75") == 1
+
+
 def test_frame_counters_start_at_zero_and_count():
     metrics = Metrics()
     samples = scrape(metrics)

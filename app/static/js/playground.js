@@ -1,6 +1,7 @@
 // The djev playground: edit a /v1/systemone request, send it with an optional image (a file or a
 // webcam frame) and read the answers. One-shot and live webcam modes post over REST; realtime mode
-// streams frames over the /v1/stream websocket, capturing the next frame as each answer returns.
+// streams frames over the /v1/stream websocket, capturing the next frame once the answer returns
+// and the server's next_frame_ms has passed since the last send.
 
 import { bindApiKeyInput, errorMessage, postDecision, StreamSession } from "./api.js";
 import { captureJpeg, startCamera, stopCamera } from "./camera.js";
@@ -46,6 +47,10 @@ const JPEG_QUALITY = 0.85;
 // walk page sends (and a camera's native width does not add upload time to every frame).
 const REALTIME_FRAME_WIDTH = 512;
 const RECONFIGURE_DELAY_MS = 500;
+// The realtime pace until the server gives one (next_frame_ms in `ready` and each result), and the
+// longest wait taken from it.
+const DEFAULT_FRAME_MS = 0; // a server that sends no next_frame_ms: the next frame at once
+const MAX_FRAME_MS = 10000;
 const WEBCAM_MODES = ["oneshot", "live", "realtime"];
 
 const $ = (id) => document.getElementById(id);
@@ -364,15 +369,18 @@ function setToggle(button, running) {
 
 // ------------------------------------------------------------------ realtime (websocket)
 
-// The loop keeps one frame in flight: capture -> send -> result -> capture again. `rt` identifies
-// one run; handlers of a stopped run see state.rt !== rt and do nothing.
+// The loop keeps one frame in flight: capture -> send -> result -> (next_frame_ms after the send)
+// capture again. `rt` identifies one run; handlers of a stopped run see state.rt !== rt and do nothing.
 async function startRealtime() {
   stopRealtime();
   const request = readRequest();
   if (!request) return;
   delete request.images; // the frames are the images; the server refuses images in a config
   if (!(await ensureCamera())) return;
-  const rt = { session: null, sent: 0, decided: 0, dropped: 0, sentAt: 0, types: questionTypes(request) };
+  const rt = {
+    session: null, sent: 0, decided: 0, dropped: 0, sentAt: -Infinity, types: questionTypes(request),
+    nextFrameMs: DEFAULT_FRAME_MS, stepTimer: null,
+  };
   rt.session = new StreamSession({
     onResult: (message) => state.rt === rt && onRealtimeResult(rt, message),
     onError: (message) => state.rt === rt && onRealtimeError(rt, message),
@@ -383,12 +391,14 @@ async function startRealtime() {
   updateCounter(rt);
   rt.session.configure(request); // sent as soon as the server says ready
   setStatus("connecting...");
+  let ready;
   try {
-    await rt.session.connect();
+    ready = await rt.session.connect();
   } catch (_) {
     return; // onRealtimeClose already said why
   }
   if (state.rt !== rt) return;
+  setRealtimePace(rt, ready.next_frame_ms);
   setStatus("realtime: running");
   realtimeStep(rt);
 }
@@ -411,6 +421,21 @@ async function realtimeStep(rt) {
   }
 }
 
+function setRealtimePace(rt, nextFrameMs) {
+  const ms = Number(nextFrameMs);
+  if (nextFrameMs == null || !Number.isFinite(ms) || ms < 0) return;
+  rt.nextFrameMs = Math.min(ms, MAX_FRAME_MS);
+  ui.rtCount.dataset.nextFrameMs = rt.nextFrameMs;
+}
+
+// The next frame no sooner than next_frame_ms after the last send (the answer is in already).
+function realtimeStepPaced(rt) {
+  clearTimeout(rt.stepTimer);
+  const wait = rt.sentAt + rt.nextFrameMs - performance.now();
+  if (wait > 0) rt.stepTimer = setTimeout(() => state.rt === rt && realtimeStep(rt), wait);
+  else realtimeStep(rt);
+}
+
 function onRealtimeResult(rt, message) {
   rt.decided += 1;
   rt.dropped = message.dropped_total ?? rt.dropped;
@@ -419,7 +444,8 @@ function onRealtimeResult(rt, message) {
   updateCounter(rt);
   // A "config not applied" error stays up until the next edit.
   if (!ui.status.classList.contains("status-error")) setStatus("realtime: running");
-  realtimeStep(rt);
+  setRealtimePace(rt, message.next_frame_ms);
+  realtimeStepPaced(rt);
 }
 
 // A frame error stops the loop. A config error (frame null) stops it only before the first
@@ -444,6 +470,7 @@ function stopRealtime() {
   const rt = state.rt;
   if (!rt) return;
   state.rt = null;
+  clearTimeout(rt.stepTimer);
   rt.session.close();
   setToggle(ui.rtToggle, false);
 }

@@ -2,7 +2,8 @@
 // becomes one decision. `ahead` names the nearest hazard in the center 30 degrees; `side`, asked
 // only after a danger label (ask_if, server-side), says which half of the frame the obstacle is in,
 // and the arrow points the other way. One frame is in flight at a time: a result renders and the
-// next frame goes out at once.
+// next frame goes out at the server's pace, next_frame_ms after the previous one (sooner would only
+// make every camera's answers older when the server is shared; see README "Camera sessions").
 //
 // A walking aid must never show an old answer as if it were current: every shown answer carries its
 // age, counted from the capture of its frame, and an answer older than STALE_MS (or none at all: a
@@ -52,6 +53,10 @@ const THINK_TOKENS = 64;
 const FRAME_WIDTH = 512;
 const FRAME_QUALITY = 0.7;
 const RECONNECT_MS = 1000;
+// The pace until the server gives one (its `ready` and every result carry next_frame_ms), and the
+// longest wait the page accepts from it.
+const DEFAULT_FRAME_MS = 0; // a server that sends no next_frame_ms: the next frame at once
+const MAX_FRAME_MS = 10000;
 // A full server closes a session it cannot serve fresh with 1013 ("try again later"). The page then
 // waits longer each time (2 s, 4 s, ... up to 30 s), each wait jittered to 50-150 %, so refused
 // phones do not all knock again together every second.
@@ -75,8 +80,8 @@ function staleLimit(text, fallback) {
 const state = {
   running: false, // the person pressed Start and not Stop
   suspended: false, // running, but the page is hidden: camera and socket closed until it is visible
-  // {session, inFlight, sent, captured: Map(frame number -> capture time)}: the current websocket;
-  // handlers of an older one compare against it and do nothing.
+  // {session, inFlight, sent, captured: Map(frame number -> capture time), sentAt, nextFrameMs,
+  // stepTimer}: the current websocket; handlers of an older one compare against it and do nothing.
   link: null,
   reconnectTimer: null,
   busyRefusals: 0, // 1013 closes in a row, since the last answer: how long the next wait is
@@ -236,6 +241,7 @@ function suspend() {
   state.ticker = null;
   const link = state.link;
   state.link = null;
+  clearTimeout(link?.stepTimer);
   link?.session.close();
   stopCamera(ui.video);
   state.shown = null;
@@ -284,7 +290,10 @@ function cameraError(err) {
 }
 
 function openSession() {
-  const link = { session: null, inFlight: false, sent: 0, captured: new Map() };
+  const link = {
+    session: null, inFlight: false, sent: 0, captured: new Map(),
+    sentAt: -Infinity, nextFrameMs: DEFAULT_FRAME_MS, stepTimer: null,
+  };
   const current = () => state.link === link && state.running;
   link.session = new StreamSession({
     onResult: (message) => current() && onResult(link, message),
@@ -295,8 +304,9 @@ function openSession() {
   link.session.configure(buildRequest()); // goes out as soon as the server says ready
   setStatus("connecting...");
   link.session.connect().then(
-    () => {
+    (ready) => {
       if (!current()) return;
+      setPace(link, ready.next_frame_ms);
       if (performance.now() - state.errorAt > ERROR_LINGER_MS) setStatus("running");
       step(link);
     },
@@ -324,11 +334,30 @@ async function step(link) {
   if (state.link !== link || !state.running) return;
   if (await link.session.sendFrame(frame)) {
     // The server numbers a session's frames from 1, in the order they arrive.
+    link.sentAt = performance.now();
     link.sent += 1;
     link.captured.set(link.sent, capturedAt);
   } else {
     link.inFlight = false;
   }
+}
+
+// The server's pace: how long after a send the next frame may go (a missing or odd value keeps the
+// last one).
+function setPace(link, nextFrameMs) {
+  const ms = Number(nextFrameMs);
+  if (nextFrameMs == null || !Number.isFinite(ms) || ms < 0) return;
+  link.nextFrameMs = Math.min(ms, MAX_FRAME_MS);
+  ui.banner.dataset.nextFrameMs = link.nextFrameMs; // for tests and debugging; not shown
+}
+
+// The next frame, once the answer to the last one is in (the callers) and no sooner than
+// next_frame_ms after the last send.
+function stepPaced(link) {
+  clearTimeout(link.stepTimer);
+  const wait = link.sentAt + link.nextFrameMs - performance.now();
+  if (wait > 0) link.stepTimer = setTimeout(() => step(link), wait);
+  else step(link);
 }
 
 // The capture time of a frame the server answered (or gave up on); older entries go with it.
@@ -362,7 +391,8 @@ function onResult(link, message) {
     setStatus(`running · ${frames}${state.dropped ? ` · ${state.dropped} dropped` : ""}`);
   }
   ui.banner.dataset.slow = state.slow;
-  step(link);
+  setPace(link, message.next_frame_ms);
+  stepPaced(link);
 }
 
 // An answer that arrived older than the limit is not shown, whatever the settings: the page says
@@ -381,7 +411,7 @@ function tooSlow(answerMs) {
   }
 }
 
-// A frame's error is reported and the next frame goes out at once; the guard counts on (a server
+// A frame's error is reported and the next frame goes out at the pace; the guard counts on (a server
 // that answers only errors reaches "no answer" within STALE_MS). A config error (frame null) would
 // fail every frame, so it ends the run.
 function onError(link, message) {
@@ -393,7 +423,8 @@ function onError(link, message) {
   setStatus(`error: ${text}`, true);
   takeCaptureTime(link, message.frame);
   link.inFlight = false;
-  step(link);
+  setPace(link, message.next_frame_ms);
+  stepPaced(link);
 }
 
 // The socket closed under a running loop: a refused key ends the run; anything else is "no answer"

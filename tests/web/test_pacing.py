@@ -1,0 +1,179 @@
+"""The pure camera pacer (app/web/pacing.py): the capacity estimate from answered frames, admission
+by MIN_SESSION_FPS and headroom, next_frame_ms rising with load, and admitted sessions never closed."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.config import Settings
+from app.web.pacing import MIN_SAMPLES, PROBE_GAIN, Pacer, PacingRules, Window
+from app.web.services import pacing_rules
+
+RULES = PacingRules(min_session_fps=1.5, max_session_fps=4.0, capacity_start=8.0, headroom=0.8, window_s=2.0)
+
+
+def pacer(**changes: float) -> Pacer:
+    return Pacer(PacingRules(**{**RULES.__dict__, **changes}))
+
+
+def feed(pacer: Pacer, start: float, rate: float, seconds: float, age_s: float, interval_ms: float,
+         waiting: bool = False) -> float:
+    """Answers at `rate` a second for `seconds` from `start`, each `age_s` old; returns the end."""
+    count = round(rate * seconds)
+    for index in range(count):
+        pacer.answered(start + index / rate, age_s, interval_ms, waiting)
+    return start + count / rate
+
+
+def closing(pacer: Pacer, now: float, age_s: float, interval_ms: float, waiting: bool = False) -> Window:
+    """The answer that closes a window, and the window it closed."""
+    window = pacer.answered(now, age_s, interval_ms, waiting)
+    assert window is not None, "the window did not close"
+    return window
+
+
+def test_the_rules_come_from_settings():
+    rules = pacing_rules(Settings.of(min_session_fps=2.0, max_session_fps=5.0, session_capacity_start=12.0,
+                                     session_headroom=0.7, session_window=1.5))
+    assert rules == PacingRules(min_session_fps=2.0, max_session_fps=5.0, capacity_start=12.0, headroom=0.7,
+                                window_s=1.5)
+    assert rules.floor_ms == 200
+    for bad in ({"min_session_fps": 5.0, "max_session_fps": 4.0}, {"session_headroom": 1.5},
+                {"session_capacity_start": 0.0}, {"session_window": 0.0}):
+        with pytest.raises(ValueError):
+            Settings.of(**bad)
+
+
+def test_it_starts_from_the_conservative_prior_and_admits_by_it():
+    p = pacer()
+    assert p.capacity == 8.0 and not p.measured
+    # (n + 1) x 1.5 <= 8 x 0.8 = 6.4: four sessions, not five.
+    assert all(p.admit(f"s{i}").admitted for i in range(4))
+    refused = p.admit("s4")
+    assert not refused.admitted
+    assert refused.reason == ("the server is at its camera capacity: 4 sessions at ~2.0 answers/s each; "
+                              "try again later")
+    assert len(refused.reason.encode()) < 120  # fits a close frame
+    assert p.sessions == {"s0", "s1", "s2", "s3"}
+
+
+def test_a_server_with_no_session_always_admits_one():
+    p = pacer(capacity_start=0.5)
+    assert p.admit("only").admitted
+    assert not p.admit("second").admitted
+    p.leave("only")
+    assert p.admit("again").admitted
+
+
+def test_next_frame_ms_rises_with_load_from_the_floor():
+    p = pacer(capacity_start=20.0)
+    intervals = []
+    for index in range(10):
+        assert p.admit(f"s{index}").admitted
+        intervals.append(p.next_frame_ms())
+    assert intervals[0] == 250  # 1000 / MAX_SESSION_FPS: one session is not asked for 20 fps
+    assert intervals == sorted(intervals) and intervals[-1] == 500  # 10 sessions share 20 fps: 2 each
+    assert intervals[5] == 300  # 6 sessions
+    for index in range(10):
+        p.leave(f"s{index}")
+    assert p.next_frame_ms() == 250
+
+
+def test_a_saturated_window_sets_the_estimate_to_what_the_engine_answered():
+    p = pacer()
+    for index in range(4):
+        p.admit(f"s{index}")
+    # Answers at 5/s, each older than the interval its session was paced at: the engine is the limit.
+    end = feed(p, 0.0, rate=5.0, seconds=2.0, age_s=0.9, interval_ms=500)
+    window = closing(p, end, 0.9, 500)
+    assert window.verdict == "saturated"
+    assert p.capacity == pytest.approx(5.0) and p.pace == pytest.approx(5.0) and p.measured
+    assert p.next_frame_ms() == 800  # 4 sessions share 5 frames/s
+    # Newer frames waiting (a client that does not pace) count as engine-bound too.
+    q = pacer()
+    end = feed(q, 0.0, rate=6.0, seconds=2.0, age_s=0.05, interval_ms=500, waiting=True)
+    assert closing(q, end, 0.05, 500, True).verdict == "saturated" and q.capacity == pytest.approx(6.0)
+
+
+def test_a_kept_up_window_that_pressed_the_pace_probes_higher():
+    p = pacer()
+    end = feed(p, 0.0, rate=7.0, seconds=2.0, age_s=0.1, interval_ms=500)
+    window = closing(p, end, 0.1, 500)
+    # The engine kept up with 7/s, most of the pace (8): the pace runs ahead, and the next window
+    # tests it. The capacity rises only to what was answered (7/s is under the prior: it stays 8), and
+    # admission reads the capacity: a probe lets nobody more in.
+    assert window.verdict == "probed" and p.pace == pytest.approx(8.0 * PROBE_GAIN)
+    assert p.capacity == 8.0 and not p.measured
+    end = feed(p, end + 0.1, rate=9.5, seconds=2.0, age_s=0.1, interval_ms=500)
+    window = closing(p, end, 0.1, 500)
+    assert window.verdict == "probed" and window.rate == pytest.approx(20 / 2.1)
+    assert p.capacity == pytest.approx(window.rate) and p.pace == pytest.approx(10.0 * PROBE_GAIN)
+
+
+def test_a_light_window_changes_nothing():
+    p = pacer()
+    end = feed(p, 0.0, rate=4.0, seconds=2.0, age_s=0.1, interval_ms=250)  # one session at its floor
+    assert closing(p, end, 0.1, 250, False).verdict == "unchanged" and p.capacity == 8.0
+
+
+def test_a_window_needs_its_time_and_enough_answers():
+    p = pacer()
+    for index in range(MIN_SAMPLES - 1):  # spread over 10 s: time enough, answers not
+        assert p.answered(index * 10.0 / MIN_SAMPLES, 2.0, 500, False) is None
+    assert p.answered(10.0, 2.0, 500, False) is None  # the eighth: counted; the next closes the window
+    assert closing(p, 10.5, 2.0, 500, False).verdict == "saturated"
+    quick = pacer()
+    for index in range(50):  # many answers within the window's 2 s: not judged yet
+        assert quick.answered(index * 0.02, 2.0, 500, False) is None
+
+
+def test_the_estimate_converges_on_a_batching_engine_and_sessions_stay_fresh():
+    """A simulated batching engine (B frames a pass of T seconds: capacity B / T) behind sessions
+    that follow next_frame_ms and wait for their answer: the pacer's estimate climbs from the prior
+    to the engine's capacity, admission stops where MIN_SESSION_FPS would no longer fit, and the
+    admitted sessions' next_frame_ms + answer age stay under the walk page's 1.5 s."""
+    batch, pass_s = 4, 0.2  # 20 frames/s
+    p = pacer()
+    due: dict[str, tuple[float, int]] = {}  # session -> (when it sends next, the interval it was told)
+    inflight: dict[str, tuple[float, int]] = {}  # session -> (sent at, the interval it was paced at)
+    queue: list[str] = []
+    knocks, worst, next_pass = 0, 0.0, 0.0
+    for step in range(2000):  # 10 ms steps: 20 s
+        now = step / 100
+        if step % 50 == 0:  # a phone knocks every 0.5 s
+            knocks += 1
+            if p.admit(f"s{knocks}").admitted:
+                due[f"s{knocks}"] = (now, p.next_frame_ms())
+        for name, (when, interval) in due.items():
+            if name not in inflight and now >= when - 1e-9:
+                inflight[name] = (now, interval)
+                queue.append(name)
+        if now >= next_pass - 1e-9 and queue:
+            taken, queue[:] = queue[:batch], queue[batch:]
+            next_pass = answered_at = now + pass_s
+            for name in taken:
+                sent, interval = inflight.pop(name)
+                age = answered_at - sent
+                p.answered(answered_at, age, interval, False)
+                told = p.next_frame_ms()
+                due[name] = (max(sent + told / 1000, answered_at), told)  # not before the answer comes
+                if now > 10:  # once it has had 10 s to learn
+                    worst = max(worst, told / 1000 + age)
+    admitted = len(p.sessions)
+    assert p.measured and 15 <= p.capacity <= 21, p.capacity
+    assert (admitted + 1) * 1.5 > p.capacity * 0.8  # the last phones were refused because they did not fit
+    assert 8 <= admitted <= 12 and knocks > admitted
+    assert worst < 1.5, worst
+
+
+def test_admitted_sessions_are_never_closed_when_the_capacity_falls():
+    p = pacer(capacity_start=20.0)
+    for index in range(10):
+        assert p.admit(f"s{index}").admitted
+    before = p.next_frame_ms()
+    end = feed(p, 0.0, rate=2.0, seconds=8.0, age_s=3.0, interval_ms=before)  # the engine slowed down
+    assert closing(p, end, 3.0, before, False).verdict == "saturated"
+    assert p.capacity == pytest.approx(2.0)
+    assert len(p.sessions) == 10  # nobody is put out; each is paced slower instead
+    assert p.next_frame_ms() == 5000 > before
+    assert not p.admit("eleventh").admitted
