@@ -56,15 +56,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings.from_env(**overrides)
 
 
-def serve(settings: Settings, load: Callable[[StartupProgress], Reader] | None = None) -> int:
+def serve(settings: Settings, load: Callable[[StartupProgress], Reader] | None = None, *,
+          extra_routes: list | None = None) -> int:
     """Run the server until it is stopped. `load` builds the reader (default: the one the settings
     ask for, `app.build.build_reader`); a bench passes its own, e.g. random weights through the hf
-    engine's `hf_reader`, and is served exactly as `djev serve` serves."""
+    engine's `hf_reader`, and is served exactly as `djev serve` serves. `extra_routes` go to
+    `create_app` as they are (a bench's own routes beside the server's)."""
     from app.build import build_reader
     from app.server import create_app, serve_app
 
     reader = (load or (lambda progress: build_reader(settings, progress)))(lambda phase, done, total: None)
-    app = create_app(settings, reader)
+    app = create_app(settings, reader, extra_routes)
     ssl = None
     if settings.server.tls_port:
         from app.tls import ensure_certificate
