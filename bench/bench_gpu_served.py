@@ -145,9 +145,9 @@ class Server:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def log_tail(self, lines: int = 25) -> str:
+    def log_tail(self, lines: int = 8) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return "\n".join(line[:200] for line in self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
 
@@ -693,6 +693,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  ready in {results['startup']['ready_s']} s", flush=True)
         measure(args, server, pool, results, deadline, api_key)
     except (Deadline, RuntimeError, OSError) as exc:
+        results["stopped"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         results["notes"].append(f"stopped: {str(exc)[:2000]}")
         print(f"stopped: {exc}", file=sys.stderr, flush=True)
     finally:
@@ -705,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.stop()
         results["wall_s"] = round(now() - began, 1)
         write_outputs(results, out_dir, info)
-    return 0 if results["rows"] else 1
+    return 1 if "stopped" in results or not results["rows"] else 0  # rows skipped for --deadline are not a failure
 
 
 if __name__ == "__main__":
