@@ -487,8 +487,12 @@ def one_line(point: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------------------------- report
 
-def errors_cell(errors: dict[str, int]) -> str:
-    return ", ".join(f"{key}: {count}" for key, count in sorted(errors.items())) or "-"
+NOTED_COUNTS = ("cancelled at the end", "late frames")  # counts a row's errors cell shows beside the errors
+
+
+def errors_cell(errors: dict[str, int], counts: dict[str, int] | None = None) -> str:
+    noted = {key: value for key, value in (counts or {}).items() if key in NOTED_COUNTS and value}
+    return ", ".join(f"{key}: {count}" for key, count in sorted({**errors, **noted}.items())) or "-"
 
 
 def ratio(a: float, b: float) -> str:
@@ -513,11 +517,12 @@ def report(results: dict[str, Any]) -> str:
             s, t = p["served"], p.get("twin") or {}
             nan = float("nan")
             rows.append([f"({p['row']}) {p['name']}", p["clients"], fmt(s["per_s"], 1), fmt(s["p50_ms"], 0),
-                         fmt(s["p95_ms"], 0), fmt(s["p99_ms"], 0), errors_cell(s["errors"]), fmt(t.get("per_s", nan), 1),
+                         fmt(s["p95_ms"], 0), fmt(s["p99_ms"], 0), errors_cell(s["errors"], s["counts"]),
+                         fmt(t.get("per_s", nan), 1),
                          fmt(t.get("p50_ms", nan), 0), fmt(t.get("p95_ms", nan), 0), fmt(t.get("p99_ms", nan), 0),
                          f"{ratio(s['per_s'], t.get('per_s', nan))} /s; {ratio(s['p50_ms'], t.get('p50_ms', nan))} p50"])
         lines += ["closed loops (requests, or camera frames, a second; latencies in ms):", "", markdown_table(
-            ["row", "clients", "served /s", "p50", "p95", "p99", "errors", "in-process /s", "p50", "p95", "p99",
+            ["row", "clients", "served /s", "p50", "p95", "p99", "errors / notes", "in-process /s", "p50", "p95", "p99",
              "served / in-process"], rows), ""]
     cameras = [p for p in results["rows"] if p["kind"] == "camera_open"]
     if cameras:
@@ -530,18 +535,18 @@ def report(results: dict[str, Any]) -> str:
                          fmt(s["answers_per_s"], 1), fmt(s["answers_per_s_per_session"], 2),
                          fmt(s["answered_share"] * 100, 0) + " %", fmt(s["fresh_share"] * 100, 0) + " %",
                          fmt(s["age"]["p50_ms"], 0), fmt(s["age"]["p95_ms"], 0), fmt(s["age"]["p99_ms"], 0),
-                         errors_cell(s["errors"]),
+                         errors_cell(s["errors"], s["counts"]),
                          f"{p.get('twin_clients', '-')}: {fmt(t.get('answered_share', float('nan')) * 100, 0)} %, "
                          f"{fmt(twin_age.get('p50_ms', float('nan')), 0)} / {fmt(twin_age.get('p95_ms', float('nan')), 0)}",
                          hint])
         lines += [f"(e) cameras at 2 fps, open loop (answered = answers / frames sent; fresh = answered within "
                   f"{FRESH_S:g} s, what the walk page shows; age in ms, receipt - send of the answered frame):", "",
                   markdown_table(["cameras", "admitted", "refused (1013)", "frames/s sent", "answers/s",
-                                  "answers/s per session", "answered", "fresh", "age p50", "p95", "p99", "errors",
+                                  "answers/s per session", "answered", "fresh", "age p50", "p95", "p99", "errors / notes",
                                   "in-process (cameras: answered, age p50 / p95)", "next_frame_ms"], rows), ""]
     for p in (p for p in results["rows"] if p["kind"] == "steady"):
         rows = [[name, q["requests"], fmt(q["p50_ms"], 0), fmt(q["p99_ms"], 0), fmt(q["max_ms"], 0),
-                 errors_cell(q["errors"])] for name, q in p["phases"].items()]
+                 errors_cell(q["errors"], q["counts"])] for name, q in p["phases"].items()]
         rows += [[f"heavy: {name}", f"{q['counts'].get('sent', 0)} sent, {q['requests']} answered", fmt(q["p50_ms"], 0),
                   fmt(q["p99_ms"], 0), fmt(q["max_ms"], 0),
                   errors_cell({**q["errors"], **{k: v for k, v in q["counts"].items() if k != "sent"}})]

@@ -190,17 +190,18 @@ async def until(moment: float) -> None:
     await asyncio.sleep(max(0.0, moment - now()))
 
 
-async def finish(tasks: list[asyncio.Task], end: float, tally: Tally, grace: float = GRACE_S) -> None:
-    """Wait for the clients until `end` + `grace`; any still running then is cancelled (counted)."""
+async def finish(tasks: dict[asyncio.Task, Tally], end: float, grace: float = GRACE_S) -> None:
+    """Wait for the clients until `end` + `grace`; any still running then is cancelled, counted in its
+    own tally, as is a client that failed."""
     if not tasks:
         return
-    _, pending = await asyncio.wait(tasks, timeout=max(0.0, end + grace - now()))
+    _, pending = await asyncio.wait(list(tasks), timeout=max(0.0, end + grace - now()))
     for task in pending:
         task.cancel()
+        tasks[task].count("cancelled at the end")
     if pending:
-        tally.count("cancelled at the end", len(pending))
         await asyncio.wait(pending, timeout=5)
-    for task in tasks:
+    for task, tally in tasks.items():
         if task.done() and not task.cancelled() and task.exception() is not None:
             tally.error(f"client failed: {error_key(task.exception())}")  # type: ignore[arg-type]
 
@@ -450,7 +451,7 @@ async def run_row(spec: dict[str, Any], prepared: dict[str, Any], start: float) 
     async with httpx.AsyncClient(base_url=base, headers=auth_headers(key), limits=limits,
                                  timeout=CLIENT_TIMEOUT_S) as client:
         await until(start)
-        tasks: list[asyncio.Task] = []
+        tasks: dict[asyncio.Task, Tally] = {}
         ws_url = base.replace("http://", "ws://") + "/v1/stream"
         if kind == "rest":
             make_body = REQUESTS[spec["request"]]
@@ -464,25 +465,25 @@ async def run_row(spec: dict[str, Any], prepared: dict[str, Any], start: float) 
                     body = make_body(rng, f"{spec['tag']}-{number}-{next(counter)}")
                     return body, (frames.next() if frames is not None else None)
 
-                tasks.append(asyncio.create_task(rest_client(client, make, end, tallies["main"])))
+                tasks[asyncio.create_task(rest_client(client, make, end, tallies["main"]))] = tallies["main"]
         elif kind == "camera_closed":
-            tasks = [asyncio.create_task(closed_camera(ws_url, key, frames, end, tallies["main"]))
-                     for frames in prepared["frames"]]
+            tasks = {asyncio.create_task(closed_camera(ws_url, key, frames, end, tallies["main"])): tallies["main"]
+                     for frames in prepared["frames"]}
         elif kind == "camera_open":
-            tasks = [asyncio.create_task(open_camera_client(ws_url, key, frames, start, end, tallies["main"]))
-                     for frames in prepared["frames"]]
+            tasks = {asyncio.create_task(open_camera_client(ws_url, key, frames, start, end, tallies["main"])):
+                     tallies["main"] for frames in prepared["frames"]}
         elif kind == "steady":
             alone_until = start + float(spec["alone_s"])
+            tallies = {}
             if spec.get("steady"):
                 tallies = {"steady alone": Tally(), "steady beside the heavy clients": Tally()}
-                tasks.append(asyncio.create_task(steady_client(client, start, alone_until, end, tallies,
-                                                               f"{spec['tag']}-steady")))
+                steady = steady_client(client, start, alone_until, end, tallies, f"{spec['tag']}-steady")
+                tasks[asyncio.create_task(steady)] = tallies["steady beside the heavy clients"]
             for number, heavy in enumerate(spec.get("heavy", ())):
-                tallies[f"heavy: {heavy}"] = Tally()
-                tasks.append(asyncio.create_task(heavy_client(client, heavy, spec["params"], alone_until, end,
-                                                              tallies[f"heavy: {heavy}"], f"{spec['tag']}-h{number}")))
-        main = tallies.get("main") or next(iter(tallies.values()))
-        await finish(tasks, end, main, grace=0.5 if kind == "steady" else GRACE_S)
+                tally = tallies[f"heavy: {heavy}"] = Tally()
+                task = heavy_client(client, heavy, spec["params"], alone_until, end, tally, f"{spec['tag']}-h{number}")
+                tasks[asyncio.create_task(task)] = tally
+        await finish(tasks, end, grace=2.0 if kind == "steady" else GRACE_S)
         for tally in tallies.values():
             tally.elapsed = now() - start
     return {name: tally.as_dict() for name, tally in tallies.items()}
@@ -608,8 +609,8 @@ async def run_inprocess(services: Any, spec: dict[str, Any]) -> dict[str, Any]:
             side.cancel()
 
     runner: Callable[[int], Awaitable[None]] = camera if workload == "cameras_open" else closed
-    tasks = [asyncio.create_task(runner(number)) for number in range(clients)]
-    await finish(tasks, end + (2.5 if workload == "cameras_open" else 0.0), tally)
+    tasks = {asyncio.create_task(runner(number)): tally for number in range(clients)}
+    await finish(tasks, end + (2.5 if workload == "cameras_open" else 0.0))
     tally.elapsed = now() - start
     tally.count("late frames", sum(f.late for f in frames))
     return tally.as_dict()
