@@ -56,13 +56,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings.from_env(**overrides)
 
 
-def serve(settings: Settings, load: Callable[[StartupProgress], Reader] | None = None) -> int:
+def serve(settings: Settings, load: Callable[[StartupProgress], Reader] | None = None, *,
+          extra_routes: list | None = None) -> int:
     """Run the server until it is stopped; the exit status. The listener is up at once; `load`
     builds the reader behind it, in a thread (default: the one the settings ask for,
     `app.build.build_reader`), told each start-up phase. A bench passes its own, e.g. random weights
-    through the hf engine's `hf_reader`, and is served exactly as `djev serve` serves. A load that
-    fails stops the server within seconds: 2 when no checkpoint was usable (the message says what
-    to do), 1 otherwise (the log says why)."""
+    through the hf engine's `hf_reader`, and is served exactly as `djev serve` serves; its
+    `extra_routes` go to `create_app` as they are. A load that fails stops the server within
+    seconds: 2 when no checkpoint was usable (the message says what to do), 1 otherwise (the log
+    says why)."""
     from app.build import CheckpointError, build_reader, provisional_info, use_cache_dir
     from app.engine.starting import StartingReader
     from app.server import create_app, serve_app
@@ -70,7 +72,7 @@ def serve(settings: Settings, load: Callable[[StartupProgress], Reader] | None =
     for name, value in use_cache_dir(settings).items():  # before the load imports torch
         logging.getLogger("djev").info("cache: %s=%s", name, value)
     starting = StartingReader(provisional_info(settings), load or (lambda progress: build_reader(settings, progress)))
-    app = create_app(settings, starting)
+    app = create_app(settings, starting, extra_routes)
     ssl = None
     if settings.server.tls_port:
         from app.tls import ensure_certificate

@@ -37,3 +37,25 @@ def test_bench_gpu_decisions_tiny_runs(tmp_path):
                        "--out", str(tmp_path / "bench_gpu_decisions.json"), out=tmp_path)
     data = json.loads((tmp_path / "bench_gpu_decisions.json").read_text())
     assert data and "|" in result["stdout"]
+
+
+@pytest.mark.timeout(300)
+def test_bench_gpu_served_tiny_runs(tmp_path):
+    from PIL import Image
+
+    result = run_bench("bench_gpu_served.py", "--seconds", "1", "--workers", "4", "--sheet-clients", "2",
+                       "--ticket-clients", "2", "--walk-clients", "2", "--closed-cameras", "1", "--open-cameras", "1,2",
+                       "--heavy-tokens", "1000", "--deadline", "150", out=tmp_path)
+    data = json.loads((tmp_path / "bench_gpu_served.json").read_text())
+    assert [row["row"] for row in data["rows"]] == ["a", "b", "c", "d", "e", "e", "f"], data["notes"]
+    assert data["startup"]["ready_s"] > 0
+    assert any(row.get("served", {}).get("requests", 0) > 0 for row in data["rows"])
+    assert all("twin" in row for row in data["rows"] if row["row"] != "f")
+    assert (tmp_path / "bench_gpu_served.md").read_text().count("|") > 20
+    assert "| (b) one sheet (the ticket) | 2 |" in result["stdout"]
+    assert Image.open(tmp_path / "camera_curve.png").format == "PNG"
+    # Nothing left behind: the server's process group and the client processes are gone.
+    with pytest.raises(ProcessLookupError):
+        os.killpg(data["server_pid"], 0)
+    for pid in data["client_pids"]:
+        assert not Path(f"/proc/{pid}").exists()

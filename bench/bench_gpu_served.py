@@ -1,0 +1,718 @@
+"""`djev serve` as users see it: HTTP and websockets, clients in other processes, from the first second
+after ready, with the in-process figure of the same request generator beside each row, in one run.
+
+The server is `app.cli.serve` in a subprocess (its own process group), over random weights: the
+full-size DiffusionGemma 26B-A4B architecture on CUDA (bench/bench_gpu.py's FULL_TEXT_CONFIG and
+build_model), or the tiny config on the CPU with --tiny. Only the weights are random: the reader is
+`hf_reader` over the model, as `djev serve` builds it, and the settings are `Settings.from_env` with
+this script's flags as overrides, as `djev serve` reads them (the server's defaults where a flag is
+not given). The tokenizer is the tiny model's, as in bench_gpu_decisions.py. A bench-only route,
+`POST /bench/inprocess`, runs the same generator against the server's own Decider (no HTTP, no
+admission, no session) right after the served row.
+
+Rows, in this order from ready (each --seconds; --workers client processes, asyncio + httpx or
+websockets in each; every state and frame unique, frames encoded before the clock):
+  (a) every request its own question sheet (1-6 questions, 2-8 options, random instructions);
+  (b) one sheet, the README's ticket, at --ticket-clients;
+  (c) walk frames over REST: the walk page's request, multipart with the frame;
+  (d) cameras over /v1/stream, closed loop like the walk page (next frame when the answer comes);
+  (e) cameras at 2 fps, open loop (a frame every 500 ms whatever comes back): answered share, answer
+      age (receipt - send of the answered frame), sessions refused at open (1013), answers/s per
+      admitted session; `next_frame_ms` in results is honoured when the server sends it;
+  (f) a steady ticket client, alone for a fifth of the row, then beside heavy requests (a long state,
+      255 options x 8 questions, 200 questions, a big think budget, steps 8 x samples 32): its
+      p50/p99/max; a heavy request the server refuses is recorded, not fatal.
+Before and after each row /metrics is read and the deltas of the engine counters whose names hold
+capture, compile, fallback, recompile or graph are reported, so a compile after ready shows.
+
+Output: the markdown tables (printed, and $OUT/bench_gpu_served.md), $OUT/bench_gpu_served.json,
+$OUT/camera_curve.png (row e), and the server's log $OUT/bench_gpu_served.server.log.
+
+    python bench/bench_gpu_served.py            # full run on CUDA (about 7-9 minutes with start-up)
+    python bench/bench_gpu_served.py --quick    # fewer levels, 5 s rows: within 4 minutes
+    python bench/bench_gpu_served.py --tiny --device cpu --seconds 1 --workers 4 --sheet-clients 2 \\
+        --ticket-clients 2 --walk-clients 2 --closed-cameras 1 --open-cameras 1,2   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_any
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import fmt, header, latency_summary, machine, markdown_table, percentile, write_json  # noqa: E402
+from bench.served_load import (  # noqa: E402
+    FRESH_S,
+    HEAVY_KINDS,
+    auth_headers,
+    merge,
+    worker_main,
+)
+
+COUNTER_WORDS = ("capture", "compile", "fallback", "recompile", "graph")
+ROW_OVERHEAD_S = 6.0  # frames, the end's grace, the scrapes: what a row costs beyond its seconds, for the deadline
+now = time.monotonic
+
+
+class Deadline(Exception):
+    """--deadline passed: stop, clean up, write what there is."""
+
+
+# ---------------------------------------------------------------------------------------- the server
+
+def watch_parent() -> None:
+    """In the server: if the bench goes away without stopping it, end this process group (no orphans)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="bench-parent-watch", daemon=True).start()
+
+
+def server_settings(args: argparse.Namespace, port: int = 0) -> Any:
+    """The settings as `djev serve` reads them: the environment, then this script's flags (None: not
+    given, the server's default)."""
+    from app.config import Settings
+
+    return Settings.from_env(host="127.0.0.1", port=port or None, device=args.device, torch_compile=args.compile,
+                             fused_moe=args.fused_moe, cuda_graphs=args.cuda_graphs)
+
+
+def load_random(args: argparse.Namespace, settings: Any, progress: Any) -> Any:
+    """The `load` given to `cli.serve`: random weights on the device, the reader `hf_reader` makes."""
+    import torch
+    from transformers import DiffusionGemmaConfig
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    from app.build import hf_options
+    from app.engine.hf.loader import hf_reader
+    from app.engine.tiny import build_config as tiny_config
+    from app.engine.tiny import build_tokenizer
+    from bench.bench_gpu import FULL_TEXT_CONFIG, build_model
+
+    hf_tokenizer = build_tokenizer()
+    ids = hf_tokenizer.convert_tokens_to_ids
+    if args.tiny:
+        config = tiny_config(hf_tokenizer)
+        processor = Gemma4ImageProcessorPil(patch_size=config.vision_config.patch_size, pooling_kernel_size=3,
+                                            max_soft_tokens=70)
+    else:
+        config = DiffusionGemmaConfig(
+            text_config=dict(FULL_TEXT_CONFIG), vision_config={"model_type": "gemma4_vision"}, canvas_length=256,
+            boi_token_id=ids("<|image>"), eoi_token_id=ids("<image|>"), image_token_id=ids("<|image|>"))
+        processor = Gemma4ImageProcessorPil()
+    on_cuda = args.device.startswith("cuda")
+    model = build_model(config, args.device, torch.bfloat16 if on_cuda else torch.float32,
+                        "grouped_mm" if on_cuda else None)
+    options = hf_options(settings, "tiny" if args.tiny else "random-26B-A4B", tiny=args.tiny)
+    return hf_reader(model, hf_tokenizer, processor, options, progress=progress)
+
+
+def server_child(args: argparse.Namespace) -> int:
+    from app.cli import serve
+    from app.logs import configure_logging
+    from bench.served_load import bench_routes
+
+    settings = server_settings(args, args.port)
+    configure_logging(settings)
+    watch_parent()
+    return serve(settings, load=lambda progress: load_random(args, settings, progress), extra_routes=bench_routes())
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+    spawned: float
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 8) -> str:
+        try:
+            return "\n".join(line[:200] for line in self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group (compile workers included), SIGKILL after 10 s."""
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self.process.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # anything the group still holds (a compile worker that outlived the server)
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def spawn_server(args: argparse.Namespace, out_dir: Path) -> Server:
+    from app.server import free_port
+
+    port = free_port()
+    argv = [sys.executable, str(Path(__file__).resolve()), "--server-child", "--port", str(port), "--device", args.device]
+    argv += ["--tiny"] if args.tiny else []
+    for name in ("compile", "fused_moe", "cuda_graphs"):
+        value = getattr(args, name)
+        if value is not None:
+            argv.append(("--" if value else "--no-") + name.replace("_", "-"))
+    log_path = out_dir / "bench_gpu_served.server.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, cwd=Path(__file__).resolve().parent.parent, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    return Server(process, f"http://127.0.0.1:{port}", log_path, now())
+
+
+def wait_ready(server: Server, timeout: float) -> dict[str, Any]:
+    """Poll /health until 200: the seconds from spawn to the first answer (any status) and to ready."""
+    import httpx
+
+    out: dict[str, Any] = {}
+    limit = now() + timeout
+    while True:
+        if not server.alive():
+            raise RuntimeError(f"the server exited with {server.process.returncode}:\n{server.log_tail()}")
+        try:
+            response = httpx.get(server.url + "/health", timeout=2.0)
+        except httpx.HTTPError:
+            response = None
+        if response is not None:
+            if "first_answer_s" not in out:
+                out["first_answer_s"] = round(now() - server.spawned, 1)
+                out["first_status"] = response.status_code
+                out["first_body"] = response.text[:300]
+            if response.status_code == 200:
+                out["ready_s"] = round(now() - server.spawned, 1)
+                out["health"] = response.json()
+                return out
+        if now() > limit:
+            raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n{server.log_tail()}")
+        time.sleep(0.2)
+
+
+def scrape(server: Server) -> dict[str, float]:
+    """The engine counters of /metrics whose names hold one of COUNTER_WORDS, by series."""
+    import httpx
+
+    try:
+        text = httpx.get(server.url + "/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return {}
+    series: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        name = key.split("{", 1)[0]
+        if name.endswith("_created") or not any(word in name for word in COUNTER_WORDS):
+            continue
+        try:
+            series[key] = float(value)
+        except ValueError:
+            pass
+    return series
+
+
+def deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: value - before.get(key, 0.0) for key, value in after.items() if value != before.get(key, 0.0)}
+
+
+def drain_sessions(server: Server, api_key: str, timeout: float = 5.0) -> None:
+    """Wait (briefly) for the last row's camera sessions to close on the server."""
+    import httpx
+
+    limit = now() + timeout
+    while now() < limit:
+        try:
+            if httpx.get(server.url + "/health", headers=auth_headers(api_key), timeout=2.0).json().get("sessions") == 0:
+                return
+        except (httpx.HTTPError, ValueError):
+            return
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------------------- client processes
+
+class ClientPool:
+    """--workers client processes (spawn); each runs its share of a row's clients."""
+
+    generation = 0
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.conns: list[Any] = []
+        self.processes: list[Any] = []
+        self.start()
+
+    def start(self) -> None:
+        ClientPool.generation += 1
+        context = multiprocessing.get_context("spawn")
+        self.conns, self.processes = [], []
+        for index in range(self.count):
+            parent, child = context.Pipe()
+            process = context.Process(target=worker_main, args=(child, index, f"g{ClientPool.generation}w{index}"),
+                                      daemon=True, name=f"bench-client-{index}")
+            process.start()
+            child.close()
+            self.conns.append(parent)
+            self.processes.append(process)
+
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes if process.pid]
+
+    def collect(self, expect: str, timeout: float) -> list[Any]:
+        results: dict[int, Any] = {}
+        limit = now() + timeout
+        while len(results) < len(self.conns):
+            waiting = [conn for index, conn in enumerate(self.conns) if index not in results]
+            ready = wait_any(waiting, timeout=max(0.0, limit - now()))
+            if not ready:
+                raise RuntimeError(f"client processes did not answer '{expect}' in {timeout:.0f} s")
+            for conn in ready:
+                index = self.conns.index(conn)
+                try:
+                    kind, payload = conn.recv()
+                except (EOFError, OSError):
+                    raise RuntimeError(f"client process {index} died") from None
+                if kind == "failed":
+                    raise RuntimeError(f"client process {index} failed:\n{payload}")
+                results[index] = payload
+        return [results[index] for index in range(len(self.conns))]
+
+    def run(self, specs: Sequence[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+        """One row: every process prepares (frames), then all start at one moment; their tallies."""
+        for conn, spec in zip(self.conns, specs):
+            conn.send(spec)
+        self.collect("prepared", 180.0)
+        start = now() + 0.5  # every process is waiting on its pipe: they start together
+        for conn in self.conns:
+            conn.send(start)
+        return self.collect("done", timeout)
+
+    def restart(self) -> None:
+        """Fresh processes (after a row that failed: the old ones may be anywhere in a row)."""
+        self.close()
+        self.start()
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------- rows
+
+@dataclass(frozen=True)
+class Row:
+    key: str  # a..f
+    name: str
+    kind: str  # rest, camera_closed, camera_open, steady
+    clients: int
+    request: str = ""  # rest: sheets, ticket, walk
+    twin: str = ""  # the in-process workload, "" for none
+
+
+def plan(args: argparse.Namespace) -> list[Row]:
+    rows = [Row("a", "own question sheet each request", "rest", n, "sheets", "sheets") for n in args.sheet_clients]
+    rows += [Row("b", "one sheet (the ticket)", "rest", n, "ticket", "ticket") for n in args.ticket_clients]
+    rows += [Row("c", "walk frames over REST (multipart)", "rest", n, "walk", "walk") for n in args.walk_clients]
+    rows += [Row("d", "cameras, closed loop (/v1/stream)", "camera_closed", n, twin="walk") for n in args.closed_cameras]
+    rows += [Row("e", "cameras at 2 fps (/v1/stream)", "camera_open", n, twin="cameras_open") for n in args.open_cameras]
+    if args.steady:
+        rows.append(Row("f", "steady ticket client beside heavy requests", "steady", 1 + len(HEAVY_KINDS)))
+    return rows
+
+
+def shares(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if index < total % parts else 0) for index in range(parts)]
+
+
+def worker_specs(row: Row, number: int, args: argparse.Namespace, url: str, api_key: str) -> list[dict[str, Any]]:
+    workers = args.workers
+    common = {"kind": row.kind, "seconds": args.seconds, "base_url": url, "api_key": api_key, "request": row.request}
+    if row.kind != "steady":
+        return [{**common, "clients": n, "tag": f"r{number}w{index}"} for index, n in enumerate(shares(row.clients, workers))]
+    heavy: list[list[str]] = [[] for _ in range(workers)]
+    for index, kind in enumerate(HEAVY_KINDS):  # the steady client has process 0 to itself where it can
+        heavy[1 + index % (workers - 1) if workers > 1 else 0].append(kind)
+    params = {"state_tokens": args.heavy_tokens, "think": args.heavy_think}
+    return [{**common, "clients": len(heavy[index]) + (index == 0), "tag": f"r{number}w{index}", "steady": index == 0,
+             "heavy": heavy[index], "alone_s": args.seconds / 5, "params": params} for index in range(workers)]
+
+
+def ms(seconds: Sequence[float]) -> dict[str, float]:
+    summary = latency_summary(seconds)
+    summary["p99_ms"] = round(percentile([s * 1000 for s in seconds], 99), 3) if seconds else float("nan")
+    return summary
+
+
+def closed_summary(tally: dict[str, Any]) -> dict[str, Any]:
+    elapsed = tally["elapsed"] or float("nan")
+    return {"requests": len(tally["latencies"]), "per_s": len(tally["latencies"]) / elapsed, **ms(tally["latencies"]),
+            "errors": tally["errors"], "counts": tally["counts"], "elapsed_s": round(tally["elapsed"], 2)}
+
+
+def camera_summary(tally: dict[str, Any], seconds: float, admitted: int | None = None) -> dict[str, Any]:
+    counts = tally["counts"]
+    sent = counts.get("frames sent", 0)
+    answers = counts.get("answers", 0)
+    admitted = counts.get("admitted", 0) if admitted is None else admitted
+    ages = tally["ages"]
+    return {
+        "admitted": admitted, "refused_1013": counts.get("refused (1013)", 0), "frames_sent": sent,
+        "frames_per_s": sent / seconds, "answers": answers, "answers_per_s": answers / seconds,
+        "answers_per_s_per_session": answers / seconds / admitted if admitted else float("nan"),
+        "answered_share": answers / sent if sent else float("nan"),
+        "fresh_share": sum(1 for age in ages if age <= FRESH_S) / sent if sent else float("nan"),
+        "age": ms(ages),
+        "next_frame_ms_seen": counts.get("next_frame_ms seen", 0), "errors": tally["errors"], "counts": counts,
+    }
+
+
+def twin(server: Server, api_key: str, row: Row, clients: int, seconds: float, number: int,
+         frames_per_client: int) -> dict[str, Any]:
+    import httpx
+
+    response = httpx.post(server.url + "/bench/inprocess", headers=auth_headers(api_key), timeout=seconds + 180,
+                          json={"workload": row.twin, "clients": clients, "seconds": seconds, "tag": number,
+                                "frames_per_client": frames_per_client})
+    response.raise_for_status()
+    return response.json()
+
+
+def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, pool: ClientPool,
+            api_key: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"row": row.key, "name": row.name, "kind": row.kind, "clients": row.clients}
+    before = scrape(server)
+    tallies = pool.run(worker_specs(row, number, args, server.url, api_key), args.seconds + 60.0)
+    out["counters"] = deltas(before, scrape(server))
+    names = sorted({name for tally in tallies for name in tally})
+    merged = {name: merge([tally[name] for tally in tallies if name in tally]) for name in names}
+    if row.kind == "camera_open":
+        out["served"] = camera_summary(merged["main"], args.seconds)
+    elif row.kind == "steady":
+        out["phases"] = {name: closed_summary(tally) for name, tally in merged.items() if name.startswith("steady")}
+        out["heavy"] = {name[len("heavy: "):]: closed_summary(tally) for name, tally in merged.items()
+                        if name.startswith("heavy: ")}
+    else:
+        out["served"] = closed_summary(merged["main"])
+    if not server.alive():
+        raise RuntimeError(f"the server died during row {row.key}:\n{server.log_tail()}")
+    if row.kind.startswith("camera"):
+        drain_sessions(server, api_key)
+    if row.twin:
+        clients = row.clients
+        if row.kind == "camera_open":
+            clients = out["served"]["admitted"] or row.clients  # the sessions the server took
+            out["twin_clients"] = clients
+        # Frames for the twin: what a served client used, scaled to the twin's seconds, with room to
+        # spare (encoding the served rows' generous budget in the server would take seconds).
+        served_per_client = out["served"].get("requests", 0) / max(1, row.clients)
+        frames_per_client = math.ceil(2 * served_per_client * args.twin_seconds / args.seconds) + 8
+        before = scrape(server)
+        tally = twin(server, api_key, row, clients, args.twin_seconds, number, frames_per_client)
+        out["twin_counters"] = deltas(before, scrape(server))
+        out["twin"] = camera_summary(tally, args.twin_seconds, clients) if row.kind == "camera_open" \
+            else closed_summary(tally)
+    return out
+
+
+def measure(args: argparse.Namespace, server: Server, pool: ClientPool, results: dict[str, Any], deadline: float,
+            api_key: str) -> None:
+    for number, row in enumerate(plan(args)):
+        label = f"({row.key}) {row.name}, {row.clients} {'cameras' if row.kind.startswith('camera') else 'clients'}"
+        need = args.seconds + (args.twin_seconds if row.twin else 0.0) + ROW_OVERHEAD_S
+        if now() + need > deadline:
+            results["notes"].append(f"skipped {label}: --deadline")
+            print(f"  skipped {label}: the deadline is {deadline - now():.0f} s away", flush=True)
+            continue
+        print(f"  {label} ...", flush=True)
+        try:
+            point = run_row(row, number, args, server, pool, api_key)
+        except Exception as exc:  # noqa: BLE001 - one failed row is recorded; the next rows still run
+            results["notes"].append(f"{label} failed: {type(exc).__name__}: {str(exc)[:1500]}")
+            print(f"  {label} failed: {type(exc).__name__}: {exc}", flush=True)
+            if not server.alive():
+                raise RuntimeError(f"the server died:\n{server.log_tail()}") from None
+            pool.restart()
+            continue
+        results["rows"].append(point)
+        print("    " + one_line(point), flush=True)
+
+
+def one_line(point: dict[str, Any]) -> str:
+    if point["kind"] == "steady":
+        return "; ".join(f"{name}: p50 {fmt(p['p50_ms'], 0)} ms, p99 {fmt(p['p99_ms'], 0)} ms"
+                         for name, p in point["phases"].items())
+    served = point["served"]
+    if point["kind"] == "camera_open":
+        return (f"answered {fmt(served['answered_share'] * 100, 0)} %, age p50 {fmt(served['age']['p50_ms'], 0)} ms, "
+                f"refused {served['refused_1013']}; counters {point['counters'] or 'none'}")
+    return (f"{fmt(served['per_s'], 1)}/s, p50 {fmt(served['p50_ms'], 0)} ms, p99 {fmt(served['p99_ms'], 0)} ms; "
+            f"in-process {fmt(point.get('twin', {}).get('per_s', float('nan')), 1)}/s; counters {point['counters'] or 'none'}")
+
+
+# ---------------------------------------------------------------------------------------- report
+
+NOTED_COUNTS = ("cancelled at the end", "late frames")  # counts a row's errors cell shows beside the errors
+
+
+def errors_cell(errors: dict[str, int], counts: dict[str, int] | None = None) -> str:
+    noted = {key: value for key, value in (counts or {}).items() if key in NOTED_COUNTS and value}
+    return ", ".join(f"{key}: {count}" for key, count in sorted({**errors, **noted}.items())) or "-"
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if a == a and b == b and b else "-"
+
+
+def report(results: dict[str, Any]) -> str:
+    startup = results.get("startup") or {}
+    settings = results.get("settings") or {}
+    lines = [
+        f"start-up: spawn to the first /health answer {startup.get('first_answer_s', '-')} s "
+        f"(HTTP {startup.get('first_status', '-')}), to ready (200) {startup.get('ready_s', '-')} s; "
+        f"rows of {results['args']['seconds']:g} s (in-process twins {results['args']['twin_seconds']:g} s), "
+        f"{results['args']['workers']} client processes; settings: "
+        + ", ".join(f"{key} {value}" for key, value in settings.items()),
+        "",
+    ]
+    closed = [p for p in results["rows"] if p["kind"] in ("rest", "camera_closed")]
+    if closed:
+        rows = []
+        for p in closed:
+            s, t = p["served"], p.get("twin") or {}
+            nan = float("nan")
+            rows.append([f"({p['row']}) {p['name']}", p["clients"], fmt(s["per_s"], 1), fmt(s["p50_ms"], 0),
+                         fmt(s["p95_ms"], 0), fmt(s["p99_ms"], 0), errors_cell(s["errors"], s["counts"]),
+                         fmt(t.get("per_s", nan), 1),
+                         fmt(t.get("p50_ms", nan), 0), fmt(t.get("p95_ms", nan), 0), fmt(t.get("p99_ms", nan), 0),
+                         f"{ratio(s['per_s'], t.get('per_s', nan))} /s; {ratio(s['p50_ms'], t.get('p50_ms', nan))} p50"])
+        lines += ["closed loops (requests, or camera frames, a second; latencies in ms):", "", markdown_table(
+            ["row", "clients", "served /s", "p50", "p95", "p99", "errors / notes", "in-process /s", "p50", "p95", "p99",
+             "served / in-process"], rows), ""]
+    cameras = [p for p in results["rows"] if p["kind"] == "camera_open"]
+    if cameras:
+        rows = []
+        for p in cameras:
+            s, t = p["served"], p.get("twin") or {}
+            hint = f"honoured ({s['next_frame_ms_seen']} results)" if s["next_frame_ms_seen"] else "not sent"
+            twin_age = (t.get("age") or {})
+            rows.append([p["clients"], s["admitted"], s["refused_1013"], fmt(s["frames_per_s"], 1),
+                         fmt(s["answers_per_s"], 1), fmt(s["answers_per_s_per_session"], 2),
+                         fmt(s["answered_share"] * 100, 0) + " %", fmt(s["fresh_share"] * 100, 0) + " %",
+                         fmt(s["age"]["p50_ms"], 0), fmt(s["age"]["p95_ms"], 0), fmt(s["age"]["p99_ms"], 0),
+                         errors_cell(s["errors"], s["counts"]),
+                         f"{p.get('twin_clients', '-')}: {fmt(t.get('answered_share', float('nan')) * 100, 0)} %, "
+                         f"{fmt(twin_age.get('p50_ms', float('nan')), 0)} / {fmt(twin_age.get('p95_ms', float('nan')), 0)}",
+                         hint])
+        lines += [f"(e) cameras at 2 fps, open loop (answered = answers / frames sent; fresh = answered within "
+                  f"{FRESH_S:g} s, what the walk page shows; age in ms, receipt - send of the answered frame):", "",
+                  markdown_table(["cameras", "admitted", "refused (1013)", "frames/s sent", "answers/s",
+                                  "answers/s per session", "answered", "fresh", "age p50", "p95", "p99", "errors / notes",
+                                  "in-process (cameras: answered, age p50 / p95)", "next_frame_ms"], rows), ""]
+    for p in (p for p in results["rows"] if p["kind"] == "steady"):
+        rows = [[name, q["requests"], fmt(q["p50_ms"], 0), fmt(q["p99_ms"], 0), fmt(q["max_ms"], 0),
+                 errors_cell(q["errors"], q["counts"])] for name, q in p["phases"].items()]
+        rows += [[f"heavy: {name}", f"{q['counts'].get('sent', 0)} sent, {q['requests']} answered", fmt(q["p50_ms"], 0),
+                  fmt(q["p99_ms"], 0), fmt(q["max_ms"], 0),
+                  errors_cell({**q["errors"], **{k: v for k, v in q["counts"].items() if k != "sent"}})]
+                 for name, q in p["heavy"].items()]
+        lines += [f"(f) {p['name']} (alone for the first fifth of the row; ms):", "",
+                  markdown_table(["client", "requests", "p50", "p99", "max", "errors / notes"], rows), ""]
+    counters = [[f"({p['row']}) {p['clients']}", counters_cell(p.get("counters")),
+                 counters_cell(p.get("twin_counters")) if "twin" in p else "-"] for p in results["rows"]]
+    if counters:
+        lines += [f"engine counters that moved during each row (/metrics series naming {', '.join(COUNTER_WORDS)}):", "",
+                  markdown_table(["row", "served", "in-process"], counters), ""]
+    if results["notes"]:
+        lines += ["notes:", ""] + [f"- {note}" for note in results["notes"]]
+    return "\n".join(lines)
+
+
+def counters_cell(moved: dict[str, float] | None) -> str:
+    if moved is None:
+        return "-"
+    return ", ".join(f"{key} +{value:g}" for key, value in sorted(moved.items())) or "none"
+
+
+def camera_plot(results: dict[str, Any], path: Path) -> Path | None:
+    from bench.plot import Panel, Series, plot_panels
+
+    points = [p for p in results["rows"] if p["kind"] == "camera_open"]
+    if not points:
+        return None
+    xs = [p["clients"] for p in points]
+    served = [p["served"] for p in points]
+    return plot_panels(path, "djev serve: cameras at 2 fps over /v1/stream", "cameras", xs, [
+        Panel("answer age, ms", [Series("p50", [s["age"]["p50_ms"] for s in served]),
+                                 Series("p95", [s["age"]["p95_ms"] for s in served])]),
+        Panel("share of frames", [Series("answered", [s["answered_share"] for s in served]),
+                                  Series(f"answered within {FRESH_S:g} s", [s["fresh_share"] for s in served])],
+              y_max=1.0),
+    ])
+
+
+# ---------------------------------------------------------------------------------------- main
+
+def levels(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny config on the CPU (a smoke test of this script)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer levels, 5 s rows, 3 s twins: within 4 minutes on an H200 with start-up")
+    parser.add_argument("--seconds", type=float, default=None, help="seconds a row (default 10; --quick 5)")
+    parser.add_argument("--twin-seconds", type=float, default=None, help="seconds an in-process twin (default: --seconds; "
+                                                                         "--quick 3)")
+    parser.add_argument("--workers", type=int, default=None, help="client processes (default: cores / 2, 4 to 8)")
+    parser.add_argument("--sheet-clients", default=None, help="row (a) clients (default 32)")
+    parser.add_argument("--ticket-clients", default=None, help="row (b) clients (default 32,64; --quick 32)")
+    parser.add_argument("--walk-clients", default=None, help="row (c) clients (default 16)")
+    parser.add_argument("--closed-cameras", default=None, help="row (d) cameras (default 8,32; --quick 8)")
+    parser.add_argument("--open-cameras", default=None, help="row (e) cameras (default 8,16,32,64; --quick 8,32)")
+    parser.add_argument("--no-steady", dest="steady", action="store_false", help="skip row (f)")
+    parser.add_argument("--heavy-tokens", type=int, default=None, help="row (f): the long state, tokens (default "
+                                                                       "26000; --tiny 1500)")
+    parser.add_argument("--heavy-think", type=int, default=None, help="row (f): the think budget (default 4096; "
+                                                                      "--tiny 64)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="TORCH_COMPILE (default: the server's)")
+    parser.add_argument("--fused-moe", action=argparse.BooleanOptionalAction, default=None,
+                        help="FUSED_MOE (default: the server's)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="CUDA_GRAPHS (default: the server's)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds from start after which no row starts and the run stops and writes what it has "
+                             "(default 520; --quick 228)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the server may take to be ready")
+    parser.add_argument("--out-dir", default=os.environ.get("OUT") or ".", help="where the outputs go (default $OUT)")
+    parser.add_argument("--server-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.server_child:
+        return args
+    if not args.tiny and not args.device.startswith("cuda"):
+        parser.error("the full-size model needs a GPU; use --tiny to check the script on a CPU")
+    quick = args.quick
+    args.seconds = args.seconds or (5.0 if quick else 10.0)
+    args.twin_seconds = args.twin_seconds or (min(3.0, args.seconds) if quick else args.seconds)
+    cores = os.cpu_count() or 4
+    args.workers = args.workers or min(8, max(4, cores // 2))
+    args.sheet_clients = levels(args.sheet_clients or "32")
+    args.ticket_clients = levels(args.ticket_clients or ("32" if quick else "32,64"))
+    args.walk_clients = levels(args.walk_clients or "16")
+    args.closed_cameras = levels(args.closed_cameras or ("8" if quick else "8,32"))
+    args.open_cameras = levels(args.open_cameras or ("8,32" if quick else "8,16,32,64"))
+    args.heavy_tokens = args.heavy_tokens or (1500 if args.tiny else 26000)
+    args.heavy_think = args.heavy_think or (64 if args.tiny else 4096)
+    args.deadline = args.deadline or (228.0 if quick else 520.0)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    return args
+
+
+def write_outputs(results: dict[str, Any], out_dir: Path, info: dict[str, Any]) -> None:
+    text = header("bench_gpu_served: djev serve over HTTP and websockets, random weights", info) + "\n\n" + report(results)
+    print()
+    print(text, flush=True)
+    (out_dir / "bench_gpu_served.md").write_text(text + "\n")
+    plot = camera_plot(results, out_dir / "camera_curve.png")
+    print(f"\nresults: {write_json(out_dir / 'bench_gpu_served.json', results)}"
+          + (f"; plot: {plot}" if plot else ""), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.server_child:
+        return server_child(args)
+    began = now()
+    deadline = began + args.deadline
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    api_key = os.environ.get("API_KEY", "")
+    settings = server_settings(args)
+    results: dict[str, Any] = {
+        "machine": info, "model": "tiny config" if args.tiny else "DiffusionGemma 26B-A4B architecture, random bf16",
+        "args": {key: value for key, value in vars(args).items() if key not in ("server_child", "port")},
+        "settings": {"torch_compile": settings.hf.torch_compile, "fused_moe": settings.hf.fused_moe,
+                     "cuda_graphs": settings.hf.cuda_graphs, "batch_gather_ms": settings.hf.batch_gather_ms,
+                     "max_sessions": settings.limits.max_sessions, "max_inflight": settings.limits.max_inflight},
+        "startup": {}, "rows": [], "notes": [],
+    }
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Deadline("--deadline passed (hard stop)") if signum == signal.SIGALRM else SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGALRM, stop)
+    signal.alarm(int(args.deadline + 30))  # the net behind the per-row checks: nothing blocks past it
+    server: Server | None = None
+    pool: ClientPool | None = None
+    try:
+        print(f"starting the server ({'tiny' if args.tiny else 'full-size'} model on {args.device}) ...", flush=True)
+        server = spawn_server(args, out_dir)
+        pool = ClientPool(args.workers)  # the client processes start while the model builds
+        results["startup"] = wait_ready(server, min(args.startup_timeout, deadline - now()))
+        print(f"  ready in {results['startup']['ready_s']} s", flush=True)
+        measure(args, server, pool, results, deadline, api_key)
+    except (Deadline, RuntimeError, OSError) as exc:
+        results["stopped"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+        results["notes"].append(f"stopped: {str(exc)[:2000]}")
+        print(f"stopped: {exc}", file=sys.stderr, flush=True)
+    finally:
+        signal.alarm(0)
+        if pool is not None:
+            results["client_pids"] = pool.pids()
+            pool.close()
+        if server is not None:
+            results["server_pid"] = server.process.pid
+            server.stop()
+        results["wall_s"] = round(now() - began, 1)
+        write_outputs(results, out_dir, info)
+    return 1 if "stopped" in results or not results["rows"] else 0  # rows skipped for --deadline are not a failure
+
+
+if __name__ == "__main__":
+    sys.exit(main())

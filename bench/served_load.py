@@ -1,0 +1,629 @@
+"""The served bench's load (bench/bench_gpu_served.py): request generators, the client processes that
+drive `djev serve` over HTTP and websockets, and the in-process twin that runs the same generators
+against the server's own Decider through a bench-only route.
+
+Every state and every frame is unique: states carry a per-request id, frames a per-frame stamp drawn
+into the pixels (so neither the prompt KV cache nor the image caches can serve one). Frames are JPEGs
+encoded before the clock starts, per process.
+
+A client process gets a row's spec, prepares (encodes its frames), says so, waits for the common
+start time (time.monotonic is system-wide on Linux), runs its share of the clients and sends back a
+tally: latencies, errors by status and counts, never anything that needs the server to interpret.
+Every client call has a timeout, so a dead server ends a row with errors, never a hang.
+
+Only the standard library is imported at module level (and the two bench modules that hold the
+ticket and the walk page's request); httpx, websockets, Pillow and the app are imported where used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import math
+import random
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from bench.bench_gpu_decisions import TICKET_QUESTIONS, WORDS
+from bench.bench_stream import WALK_REQUEST
+
+CLIENT_TIMEOUT_S = 60.0  # every HTTP call and websocket receive
+GRACE_S = 5.0  # after a row's end: how long in-flight requests may still finish before they are cancelled
+FPS_BUDGET = 30  # frames encoded ahead per closed-loop camera client and second (more are encoded late, counted)
+FRAME_SIZE = (512, 384)  # the walk page's frames: 512 px wide, 4:3
+JPEG_QUALITY = 70  # the walk page encodes at 0.7
+CAMERA_FPS = 2.0
+FRESH_S = 1.5  # the walk page shows no answer older than this (app/static/js/walk.js STALE_MS)
+now = time.monotonic
+
+
+# ---------------------------------------------------------------------------------------- requests
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+def ticket_request(rng: random.Random, uid: str) -> dict[str, Any]:
+    """The README's ticket (noul, 3-way choice, 3-level score), samples 1, a state of its own."""
+    return {"state": {"ticket": f"{words(rng, 20)} #{uid}"}, "questions": TICKET_QUESTIONS, "samples": 1}
+
+
+def sheet_request(rng: random.Random, uid: str) -> dict[str, Any]:
+    """A question sheet of its own: 1-6 questions, random instructions, 2-8 options (or levels) each."""
+    questions: dict[str, Any] = {}
+    for number in range(rng.randint(1, 6)):
+        instructions = f"{words(rng, rng.randint(6, 16))} ({uid}.{number})?"
+        kind = rng.choice(("noul", "choice", "choice", "score"))
+        if kind == "noul":
+            questions[f"q{number}"] = {"type": "noul", "instructions": instructions}
+            continue
+        count = rng.randint(2, 8)
+        names = [f"{rng.choice(WORDS)} {option}" for option in range(count)]
+        if kind == "choice":
+            criteria: Any = {name: (words(rng, 4) if rng.random() < 0.5 else None) for name in names}
+        else:
+            criteria = names
+        questions[f"q{number}"] = {"type": kind, "instructions": instructions, "criteria": criteria}
+    return {"state": {"ticket": f"{words(rng, rng.randint(10, 40))} #{uid}"}, "questions": questions, "samples": 1}
+
+
+HEAVY_KINDS = ("long state", "255 options x 8 questions", "200 questions", "think", "steps 8 x samples 32")
+
+
+def heavy_request(kind: str, rng: random.Random, uid: str, state_tokens: int, think: int) -> dict[str, Any]:
+    """One heavy request of the steady-client row (HEAVY_KINDS), built anew per request."""
+    ticket = ticket_request(rng, uid)
+    if kind == "long state":  # about 3.8 tokens a word with the bench's tokenizer (the tiny model's)
+        return {**ticket, "state": {"ticket": f"{words(rng, max(1, int(state_tokens / 3.8)))} #{uid}"}}
+    if kind == "255 options x 8 questions":
+        return {**ticket, "questions": {
+            f"q{n}": {"type": "choice", "instructions": f"Which item does the ticket name? ({uid}.{n})",
+                      "criteria": {f"item {n}-{k}": None for k in range(255)}} for n in range(8)}}
+    if kind == "200 questions":
+        return {**ticket, "questions": {
+            f"q{n}": {"type": "noul", "instructions": f"Does the ticket mention item {n}? ({uid})"} for n in range(200)}}
+    if kind == "think":
+        return {**ticket, "think": think}
+    return {**ticket, "steps": 8, "samples": 32}
+
+
+REQUESTS: dict[str, Callable[[random.Random, str], dict[str, Any]]] = {
+    "sheets": sheet_request, "ticket": ticket_request, "walk": lambda rng, uid: WALK_REQUEST,
+}
+
+
+class FrameMaker:
+    """Walk-page-like 512x384 JPEG frames, each one unique: a camera-noise background (made once), a
+    floor, an obstacle whose place and colour move with the frame number, and the frame's stamp."""
+
+    def __init__(self, tag: str) -> None:
+        from PIL import Image
+
+        self.tag = tag
+        self.made = 0
+        noise = Image.effect_noise(FRAME_SIZE, 24).convert("RGB")
+        self.base = Image.blend(Image.new("RGB", FRAME_SIZE, (165, 165, 160)), noise, 0.15)
+
+    def make(self, count: int) -> list[bytes]:
+        from PIL import ImageDraw
+
+        out = []
+        for index in range(self.made, self.made + count):
+            image = self.base.copy()
+            draw = ImageDraw.Draw(image)
+            draw.rectangle((0, 192, 512, 384), fill=(115, 108, 100))
+            x = (index * 53) % 400
+            draw.rectangle((x, 110, x + 110, 330), fill=(40 + index % 50, 40 + index // 50 % 150, 60))
+            draw.text((8, 8), f"{self.tag} #{index}", fill=(255, 255, 255))
+            buffer = io.BytesIO()
+            image.save(buffer, "JPEG", quality=JPEG_QUALITY)
+            out.append(buffer.getvalue())
+        self.made += count
+        return out
+
+
+class Frames:
+    """A client's frames, encoded before the clock; past the budget more are encoded as needed
+    (counted in `late`, so a row that ran short of pre-encoded frames says so)."""
+
+    def __init__(self, maker: FrameMaker, count: int) -> None:
+        self.maker = maker
+        self.ready = maker.make(count)
+        self.late = 0
+
+    def next(self) -> bytes:
+        if not self.ready:
+            self.ready = self.maker.make(8)
+            self.late += 8
+        return self.ready.pop()
+
+
+# ---------------------------------------------------------------------------------------- tallies
+
+@dataclass
+class Tally:
+    """What a row's clients saw: latencies (s), answer ages (s), errors by status or exception, counts."""
+
+    latencies: list[float] = field(default_factory=list)
+    ages: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    elapsed: float = 0.0
+
+    def error(self, key: str) -> None:
+        self.errors[key] = self.errors.get(key, 0) + 1
+
+    def count(self, key: str, by: int = 1) -> None:
+        self.counts[key] = self.counts.get(key, 0) + by
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"latencies": self.latencies, "ages": self.ages, "errors": self.errors, "counts": self.counts,
+                "elapsed": self.elapsed}
+
+
+def merge(tallies: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tallies of several processes as one (lists joined, counts summed, the longest elapsed)."""
+    out = Tally()
+    for tally in tallies:
+        out.latencies += tally["latencies"]
+        out.ages += tally["ages"]
+        for key, value in tally["errors"].items():
+            out.errors[key] = out.errors.get(key, 0) + value
+        for key, value in tally["counts"].items():
+            out.count(key, value)
+        out.elapsed = max(out.elapsed, tally["elapsed"])
+    return out.as_dict()
+
+
+def error_key(exc: BaseException) -> str:
+    import httpx
+
+    if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)):
+        return "timeout"
+    return type(exc).__name__
+
+
+async def until(moment: float) -> None:
+    await asyncio.sleep(max(0.0, moment - now()))
+
+
+async def finish(tasks: dict[asyncio.Task, Tally], end: float, grace: float = GRACE_S) -> None:
+    """Wait for the clients until `end` + `grace`; any still running then is cancelled, counted in its
+    own tally, as is a client that failed."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(list(tasks), timeout=max(0.0, end + grace - now()))
+    for task in pending:
+        task.cancel()
+        tasks[task].count("cancelled at the end")
+    if pending:
+        await asyncio.wait(pending, timeout=5)
+    for task, tally in tasks.items():
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            tally.error(f"client failed: {error_key(task.exception())}")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------- HTTP clients
+
+def auth_headers(api_key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def post_decision(client: Any, body: dict[str, Any], frame: bytes | None, timeout: float) -> Any:
+    if frame is None:
+        return await client.post("/v1/systemone", json=body, timeout=timeout)
+    return await client.post("/v1/systemone", data={"request": json.dumps(body)},
+                             files={"frame": ("frame.jpg", frame, "image/jpeg")}, timeout=timeout)
+
+
+async def backoff(response: Any, end: float) -> None:
+    """After a 529/503: wait what the server asks (retry-after-ms), at most until the row's end."""
+    try:
+        wait = float(response.headers.get("retry-after-ms", "1000")) / 1000
+    except ValueError:
+        wait = 1.0
+    await asyncio.sleep(max(0.0, min(wait, end - now())))
+
+
+async def rest_client(client: Any, make: Callable[[], tuple[dict[str, Any], bytes | None]], end: float,
+                      tally: Tally) -> None:
+    """Closed loop: the next request when the answer comes, until `end`."""
+    while now() < end:
+        body, frame = make()
+        started = now()
+        try:
+            response = await post_decision(client, body, frame, CLIENT_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - every failure is tallied; a dead server must not spin
+            tally.error(error_key(exc))
+            await asyncio.sleep(0.05)
+            continue
+        if response.status_code == 200:
+            tally.latencies.append(now() - started)
+        else:
+            tally.error(str(response.status_code))
+            if response.status_code in (503, 529):
+                await backoff(response, end)
+
+
+# ---------------------------------------------------------------------------------------- camera clients
+
+class Refused(Exception):
+    """The server closed the session at open (1013: MAX_SESSIONS are open)."""
+
+
+async def open_camera(url: str, api_key: str, request: dict[str, Any]) -> Any:
+    """A /v1/stream session, configured with `request`; Refused on a 1013 close at open."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    protocols: Any = ["djev", f"bearer.{api_key}"] if api_key else None
+    ws = await connect(url, max_size=None, open_timeout=CLIENT_TIMEOUT_S, close_timeout=2,
+                       subprotocols=protocols, ping_interval=None)
+    try:
+        ready = json.loads(await asyncio.wait_for(ws.recv(), CLIENT_TIMEOUT_S))
+        if ready.get("type") != "ready":
+            raise RuntimeError(f"first message {ready.get('type')!r}, not ready")
+        await ws.send(json.dumps({"type": "config", "request": request}))
+        while True:
+            message = json.loads(await asyncio.wait_for(ws.recv(), CLIENT_TIMEOUT_S))
+            if message.get("type") == "configured":
+                return ws
+            if message.get("type") == "error":
+                raise RuntimeError(f"config refused: {message.get('status')}")
+    except ConnectionClosed as exc:
+        await ws.close()
+        if exc.rcvd is not None and exc.rcvd.code == 1013:
+            raise Refused() from None
+        raise
+    except BaseException:
+        await ws.close()
+        raise
+
+
+def hint_s(message: dict[str, Any], tally: Tally) -> float:
+    """The server's `next_frame_ms` (when present): how long to wait before the next frame."""
+    hint = message.get("next_frame_ms")
+    if isinstance(hint, (int, float)) and hint >= 0:
+        tally.count("next_frame_ms seen")
+        return float(hint) / 1000
+    return 0.0
+
+
+async def closed_camera(url: str, api_key: str, frames: Frames, end: float, tally: Tally) -> None:
+    """The walk page: the next frame when the answer comes (after `next_frame_ms` if the server asks)."""
+    try:
+        ws = await open_camera(url, api_key, WALK_REQUEST)
+    except Refused:
+        tally.count("refused (1013)")
+        return
+    tally.count("admitted")
+    try:
+        sent = 0
+        while now() < end:
+            sent += 1
+            started = now()
+            await ws.send(frames.next())
+            tally.count("frames sent")
+            while True:
+                message = json.loads(await asyncio.wait_for(ws.recv(), CLIENT_TIMEOUT_S))
+                if message.get("type") in ("result", "error") and message.get("frame") == sent:
+                    break
+            if message["type"] == "result":
+                tally.latencies.append(now() - started)
+                tally.count("answers")
+                await asyncio.sleep(min(hint_s(message, tally), max(0.0, end - now())))
+            else:
+                tally.error(str(message.get("status")))
+    finally:
+        tally.count("late frames", frames.late)
+        await ws.close()
+
+
+async def open_camera_client(url: str, api_key: str, frames: Frames, start: float, end: float, tally: Tally) -> None:
+    """A camera at CAMERA_FPS whatever comes back (open loop; later if the server's `next_frame_ms`
+    asks): each answer's age is its receipt time minus its frame's send time."""
+    from websockets.exceptions import ConnectionClosed
+
+    try:
+        ws = await open_camera(url, api_key, WALK_REQUEST)
+    except Refused:
+        tally.count("refused (1013)")
+        return
+    tally.count("admitted")
+    sent_at: dict[int, float] = {}
+    settled: set[int] = set()  # answered, dropped or failed
+    not_before = [0.0]
+
+    async def receive() -> None:
+        while True:
+            message = json.loads(await ws.recv())
+            kind = message.get("type")
+            if kind == "result":
+                frame = int(message["frame"])
+                tally.ages.append(now() - sent_at[frame])
+                tally.count("answers")
+                settled.add(frame)
+                settled.update(int(number) for number in message.get("dropped") or ())
+                tally.count("dropped", len(message.get("dropped") or ()))
+                hint = hint_s(message, tally)
+                if hint:
+                    not_before[0] = now() + hint
+            elif kind == "error":
+                tally.error(str(message.get("status")))
+                if isinstance(message.get("frame"), int):
+                    settled.add(message["frame"])
+
+    receiver = asyncio.create_task(receive())
+    try:
+        moment = start + random.random() / CAMERA_FPS  # cameras are not in step
+        number = 0
+        while True:
+            moment = max(moment, not_before[0])
+            if moment >= end or receiver.done():
+                break
+            await until(moment)
+            number += 1
+            sent_at[number] = now()
+            await ws.send(frames.next())
+            tally.count("frames sent")
+            moment += 1 / CAMERA_FPS
+        wait_until = now() + 2.0  # the last answers still on their way
+        while not receiver.done() and len(settled) < number and now() < wait_until:
+            await asyncio.sleep(0.02)
+        if receiver.done() and receiver.exception() is not None and not isinstance(receiver.exception(), ConnectionClosed):
+            tally.error(f"receiver: {error_key(receiver.exception())}")  # type: ignore[arg-type]
+    finally:
+        receiver.cancel()
+        tally.count("late frames", frames.late)
+        await ws.close()
+
+
+# ---------------------------------------------------------------------------------------- the steady row
+
+async def steady_client(client: Any, start: float, alone_until: float, end: float, tallies: dict[str, Tally],
+                        uid: str) -> None:
+    """One ticket client, closed loop: alone first, then beside the heavy clients."""
+    rng = random.Random(uid)
+    sequence = 0
+    while now() < end:
+        sequence += 1
+        tally = tallies["steady alone" if now() < alone_until else "steady beside the heavy clients"]
+        started = now()
+        try:
+            response = await post_decision(client, ticket_request(rng, f"{uid}-{sequence}"), None, CLIENT_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001
+            tally.error(error_key(exc))
+            await asyncio.sleep(0.05)
+            continue
+        if response.status_code == 200:
+            tally.latencies.append(now() - started)
+        else:
+            tally.error(str(response.status_code))
+
+
+async def heavy_client(client: Any, kind: str, params: dict[str, Any], alone_until: float, end: float,
+                       tally: Tally, uid: str) -> None:
+    """One heavy request after another, from `alone_until` to `end`; a 4xx stops this kind (recorded,
+    not fatal), except a prompt over the limit, which shrinks the state and tries again."""
+    rng = random.Random(uid)
+    tokens = int(params["state_tokens"])
+    await until(alone_until)
+    sequence = 0
+    while now() < end:
+        sequence += 1
+        body = heavy_request(kind, rng, f"{uid}-{sequence}", tokens, int(params["think"]))
+        started = now()
+        tally.count("sent")
+        try:
+            response = await post_decision(client, body, None, max(1.0, end - now() + 1))
+        except Exception as exc:  # noqa: BLE001
+            tally.error(error_key(exc))
+            continue
+        if response.status_code == 200:
+            tally.latencies.append(now() - started)
+            continue
+        tally.error(str(response.status_code))
+        if response.status_code in (503, 529):
+            await backoff(response, end)
+        elif "max_tokens_exceeded" in response.text and tokens > 1000:
+            tokens = int(tokens * 0.8)
+            tally.count(f"state shrunk to ~{tokens} tokens")
+        elif 400 <= response.status_code < 500:
+            return
+
+
+# ---------------------------------------------------------------------------------------- a client process
+
+async def run_row(spec: dict[str, Any], prepared: dict[str, Any], start: float) -> dict[str, Any]:
+    """This process's share of one row, from `start`; returns its tallies by name."""
+    import httpx
+
+    kind = spec["kind"]
+    seconds = float(spec["seconds"])
+    end = start + seconds
+    base, key = spec["base_url"], spec.get("api_key", "")
+    tallies: dict[str, Tally] = {"main": Tally()}
+    clients = int(spec.get("clients", 0))
+    limits = httpx.Limits(max_connections=clients + 16, max_keepalive_connections=clients + 16)
+    async with httpx.AsyncClient(base_url=base, headers=auth_headers(key), limits=limits,
+                                 timeout=CLIENT_TIMEOUT_S) as client:
+        await until(start)
+        tasks: dict[asyncio.Task, Tally] = {}
+        ws_url = base.replace("http://", "ws://") + "/v1/stream"
+        if kind == "rest":
+            make_body = REQUESTS[spec["request"]]
+            for number in range(clients):
+                rng = random.Random(f"{spec['tag']}-{number}")
+                frames: Frames | None = prepared["frames"][number] if prepared["frames"] else None
+                counter = iter(range(10**9))
+
+                def make(rng: random.Random = rng, frames: Frames | None = frames, number: int = number,
+                         counter: Any = counter) -> tuple[dict[str, Any], bytes | None]:
+                    body = make_body(rng, f"{spec['tag']}-{number}-{next(counter)}")
+                    return body, (frames.next() if frames is not None else None)
+
+                tasks[asyncio.create_task(rest_client(client, make, end, tallies["main"]))] = tallies["main"]
+        elif kind == "camera_closed":
+            tasks = {asyncio.create_task(closed_camera(ws_url, key, frames, end, tallies["main"])): tallies["main"]
+                     for frames in prepared["frames"]}
+        elif kind == "camera_open":
+            tasks = {asyncio.create_task(open_camera_client(ws_url, key, frames, start, end, tallies["main"])):
+                     tallies["main"] for frames in prepared["frames"]}
+        elif kind == "steady":
+            alone_until = start + float(spec["alone_s"])
+            tallies = {}
+            if spec.get("steady"):
+                tallies = {"steady alone": Tally(), "steady beside the heavy clients": Tally()}
+                steady = steady_client(client, start, alone_until, end, tallies, f"{spec['tag']}-steady")
+                tasks[asyncio.create_task(steady)] = tallies["steady beside the heavy clients"]
+            for number, heavy in enumerate(spec.get("heavy", ())):
+                tally = tallies[f"heavy: {heavy}"] = Tally()
+                task = heavy_client(client, heavy, spec["params"], alone_until, end, tally, f"{spec['tag']}-h{number}")
+                tasks[asyncio.create_task(task)] = tally
+        await finish(tasks, end, grace=2.0 if kind == "steady" else GRACE_S)
+        for tally in tallies.values():
+            tally.elapsed = now() - start
+    return {name: tally.as_dict() for name, tally in tallies.items()}
+
+
+def prepare(spec: dict[str, Any], maker: FrameMaker) -> dict[str, Any]:
+    """Frames for this process's clients, encoded before the clock."""
+    seconds = float(spec["seconds"])
+    clients = int(spec.get("clients", 0))
+    frames: list[Frames] = []
+    if spec["kind"] == "rest" and spec["request"] == "walk" or spec["kind"] == "camera_closed":
+        frames = [Frames(maker, math.ceil(seconds * FPS_BUDGET)) for _ in range(clients)]
+    elif spec["kind"] == "camera_open":
+        frames = [Frames(maker, math.ceil(seconds * CAMERA_FPS) + 2) for _ in range(clients)]
+    return {"frames": frames}
+
+
+def worker_main(conn: Any, index: int, tag: str) -> None:
+    """A client process: rows until the parent sends None or goes away (EOF). `tag` marks its frames
+    (unique across the run's processes)."""
+    import httpx  # noqa: F401 - imported (and the frame maker made) before the first row's clock
+    import websockets.asyncio.client  # noqa: F401
+
+    maker = FrameMaker(tag)
+    while True:
+        try:
+            spec = conn.recv()
+            if spec is None:
+                return
+            prepared = prepare(spec, maker)
+            conn.send(("prepared", index))
+            go = conn.recv()
+            if go is None:
+                return
+            result = asyncio.run(run_row(spec, prepared, float(go)))
+            conn.send(("done", result))
+        except (EOFError, OSError, KeyboardInterrupt):
+            return
+        except Exception:  # noqa: BLE001 - reported to the parent, which records the row as failed
+            try:
+                conn.send(("failed", traceback.format_exc()[-2000:]))
+            except OSError:
+                return
+
+
+# ---------------------------------------------------------------------------------------- in-process twin
+
+async def run_inprocess(services: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """The same generator against the server's Decider, in the server process (no HTTP, no admission,
+    no session): `clients` asyncio clients for `seconds` (frames: `frames_per_client` encoded ahead,
+    more encoded late and counted). Workloads: sheets, ticket, walk (closed
+    loops), cameras_open (each camera a frame every 500 ms, one decision in flight, the latest frame
+    waiting replaced, as a session does)."""
+    from app.decisions.request import parse_decision
+    from app.engine.base import ImageInput
+
+    workload, clients, seconds = spec["workload"], int(spec["clients"]), float(spec["seconds"])
+    tag = f"inprocess-{spec.get('tag', 0)}"
+    frame_count = int(spec.get("frames_per_client") or math.ceil(seconds * FPS_BUDGET)) + 2
+    if workload == "cameras_open":
+        frame_count = math.ceil(seconds * CAMERA_FPS) + 2
+    frames: list[Frames] = []
+    if workload in ("walk", "cameras_open"):  # encoded before the clock, off the event loop
+        maker = await asyncio.to_thread(FrameMaker, tag)
+        frames = await asyncio.to_thread(lambda: [Frames(maker, frame_count) for _ in range(clients)])
+    tally = Tally()
+
+    async def decide(body: dict[str, Any], frame: bytes | None) -> None:
+        images = (ImageInput(frame, "image/jpeg", "frame"),) if frame is not None else ()
+        await services.decider.decide(parse_decision(body, services.limits, images=images))
+
+    start = now() + 0.05
+    end = start + seconds
+
+    async def closed(number: int) -> None:
+        rng = random.Random(f"{tag}-{number}")
+        sequence = 0
+        while now() < end:
+            sequence += 1
+            body = REQUESTS[workload](rng, f"{tag}-{number}-{sequence}")
+            started = now()
+            try:
+                await decide(body, frames[number].next() if frames else None)
+            except Exception as exc:  # noqa: BLE001
+                tally.error(type(exc).__name__)
+                continue
+            tally.latencies.append(now() - started)
+
+    async def camera(number: int) -> None:
+        pending: list[tuple[bytes, float]] = []
+        wake = asyncio.Event()
+
+        async def decider_side() -> None:
+            while True:
+                await wake.wait()
+                wake.clear()
+                while pending:
+                    frame, sent = pending.pop()
+                    try:
+                        await decide(WALK_REQUEST, frame)
+                    except Exception as exc:  # noqa: BLE001
+                        tally.error(type(exc).__name__)
+                        continue
+                    tally.ages.append(now() - sent)
+                    tally.count("answers")
+
+        side = asyncio.create_task(decider_side())
+        try:
+            moment = start + random.random() / CAMERA_FPS
+            while moment < end:
+                await until(moment)
+                if pending:
+                    pending.clear()
+                    tally.count("dropped")
+                pending.append((frames[number].next(), now()))
+                tally.count("frames sent")
+                wake.set()
+                moment += 1 / CAMERA_FPS
+            wait_until = now() + 2.0
+            while pending and now() < wait_until:
+                await asyncio.sleep(0.02)
+        finally:
+            side.cancel()
+
+    runner: Callable[[int], Awaitable[None]] = camera if workload == "cameras_open" else closed
+    tasks = {asyncio.create_task(runner(number)): tally for number in range(clients)}
+    await finish(tasks, end + (2.5 if workload == "cameras_open" else 0.0))
+    tally.elapsed = now() - start
+    tally.count("late frames", sum(f.late for f in frames))
+    return tally.as_dict()
+
+
+def bench_routes() -> list[Any]:
+    """`POST /bench/inprocess` {workload, clients, seconds, tag}: the in-process twin's tally, as JSON."""
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def inprocess(request: Request) -> JSONResponse:
+        spec = await request.json()
+        return JSONResponse(await run_inprocess(request.app.state.services, spec))
+
+    return [Route("/bench/inprocess", inprocess, methods=["POST"])]
