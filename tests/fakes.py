@@ -89,19 +89,19 @@ class BatchingReader(ScriptedReader):
         super().__init__(tokenizer, **options)
         self.batch, self.pass_s = batch, pass_s
         self.passes: list[int] = []  # reads answered by each pass
-        self._waiting: list[tuple[Sequence[ReadSpec], asyncio.Future]] = []
-        self._engine: asyncio.Task | None = None
+        self.waiting: list[tuple[Sequence[ReadSpec], asyncio.Future]] = []
+        self.engine: asyncio.Task | None = None
 
     async def read(self, specs: Sequence[ReadSpec]) -> list[ReadResult]:
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._waiting.append((specs, future))
-        if self._engine is None or self._engine.done():
-            self._engine = asyncio.create_task(self._run())
+        self.waiting.append((specs, future))
+        if self.engine is None or self.engine.done():
+            self.engine = asyncio.create_task(self.run())
         return await future
 
-    async def _run(self) -> None:
-        while self._waiting:
-            taken, self._waiting = self._waiting[: self.batch], self._waiting[self.batch:]
+    async def run(self) -> None:
+        while self.waiting:
+            taken, self.waiting = self.waiting[: self.batch], self.waiting[self.batch:]
             await asyncio.sleep(self.pass_s)
             self.passes.append(len(taken))
             for specs, future in taken:
