@@ -23,16 +23,21 @@ K = TypeVar("K", bound=Hashable)
 G = TypeVar("G")
 
 
-def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Run `forward` twice on a side stream (the allocator's and cuBLAS's plans), then capture it
-    into a CUDA graph over the shared memory `pool`; returns the graph and what the captured call
-    returned (its outputs live in the pool and are rewritten by every replay)."""
-    stream = torch.cuda.Stream(device=device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
+def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torch.device, *,
+            warm_up: bool = True) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Capture `forward` into a CUDA graph over the shared memory `pool`; returns the graph and what
+    the captured call returned (its outputs live in the pool and are rewritten by every replay).
+    With `warm_up`, it first runs once on a side stream (lazy initialisation: cuBLAS handles and
+    workspaces, the allocator's first blocks). A kind's first capture warms up; the others need not,
+    since their kernels are compiled and their libraries initialised by then, and each forward of the
+    full model costs ~100 ms of launches on the host (half the start-up's capture time measured on
+    the H200; docs/benchmarks.md)."""
+    if warm_up:
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
             forward()
-    torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         output = forward()

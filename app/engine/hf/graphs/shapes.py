@@ -66,7 +66,7 @@ class ShapePolicy:
     canvas_step: int
     max_prompt_tokens: int
     sliding_window: int
-    decoder_slots: int = 36 * 1024
+    decoder_slots: int = 72 * 1024
     encoder_slots: int = 16 * 1024
     eager_tokens: int = EAGER_TOKENS
     conditioned_rows: int = 1
