@@ -15,6 +15,13 @@ shares it out), which runs ahead of the capacity to find out whether the engine 
 - A window where the engine kept up and the sessions asked for at least PRESSING_SHARE of the pace
   proves the engine can answer what it answered (capacity rises to that rate, never falls), and the
   pace goes PROBE_GAIN higher: the next window tests it.
+- A window where the engine kept up, when the reader says how long its engine was busy (the hf
+  engine's `busy_ms`), also says how much more it could do: its answers per second over the share
+  of the window the engine was busy, times EXTRAPOLATION_SAFETY, at most MAX_EXTRAPOLATION times the
+  rate seen. Linear in the engine's time, so conservative: batching makes more frames cost less than
+  linearly, and busy time other traffic took counts against the cameras. This lets a server that
+  has seen four cameras cost 10 % of its engine admit many more within one window, rather than
+  PROBE_GAIN more a window.
 - Any other window (few sessions, clients slower than their pace) says nothing new.
 
 Both start from `capacity_start`, a conservative prior: a session admitted on an optimistic guess can
@@ -43,6 +50,11 @@ PRESSING_SHARE = 0.8
 PROBE_GAIN = 1.25
 # Neither rate falls below this (frames/s): next_frame_ms stays finite however slow the engine.
 MIN_CAPACITY = 0.1
+# An estimate from the engine's busy share: this share of the linear extrapolation, at most this many
+# times the rate the window saw, from a busy share of at least MIN_BUSY_SHARE.
+EXTRAPOLATION_SAFETY = 0.7
+MAX_EXTRAPOLATION = 4.0
+MIN_BUSY_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,7 @@ class Window:
     engine_bound: int
     seconds: float
     rate: float  # answers per second over the window
-    verdict: str  # "saturated", "probed" or "unchanged"
+    verdict: str  # "saturated", "extrapolated", "probed" or "unchanged"
     capacity: float  # the estimate after this window
     pace: float
 
@@ -94,6 +106,7 @@ class Pacer:
         self._start: float | None = None  # the first answer of the window being counted
         self._answers = 0
         self._bound = 0
+        self._busy_start: float | None = None  # the engine's busy ms when the window began, if known
 
     # ------------------------------------------------------------------ sessions
 
@@ -120,27 +133,37 @@ class Pacer:
 
     # ------------------------------------------------------------------ measuring
 
-    def answered(self, now: float, age_s: float, interval_ms: float, waiting: bool) -> Window | None:
+    def answered(self, now: float, age_s: float, interval_ms: float, waiting: bool,
+                 busy_ms: float | None = None) -> Window | None:
         """One frame answered at `now`, `age_s` after it arrived; its session was paced at
         `interval_ms`, and `waiting` says whether a newer frame of the session was already queued.
-        Returns the window this answer closed, if it closed one."""
+        `busy_ms`: the engine's busy milliseconds so far, where the reader counts them. Returns the
+        window this answer closed, if it closed one."""
         closed = None
         if self._start is None:
-            self._start = now
+            self._start, self._busy_start = now, busy_ms
         elif now - self._start >= self.rules.window_s and self._answers >= MIN_SAMPLES:
-            closed = self._close(now - self._start)
-            self._start = now
+            busy = None
+            if busy_ms is not None and self._busy_start is not None:
+                busy = (busy_ms - self._busy_start) / 1000
+            closed = self._close(now - self._start, busy)
+            self._start, self._busy_start = now, busy_ms
         self._answers += 1
         if waiting or age_s * 1000 >= interval_ms:
             self._bound += 1
         return closed
 
-    def _close(self, seconds: float) -> Window:
+    def _close(self, seconds: float, busy_s: float | None = None) -> Window:
         answers, bound = self._answers, self._bound
         rate = answers / seconds
         if bound >= SATURATED_SHARE * answers:
             verdict = "saturated"
             self.capacity = self.pace = max(rate, MIN_CAPACITY)
+            self.measured = True
+        elif busy_s is not None and busy_s > 0 and (implied := self._implied(rate, busy_s / seconds)) > self.capacity:
+            verdict = "extrapolated"
+            self.capacity = implied
+            self.pace = max(self.pace, implied)
             self.measured = True
         elif rate >= PRESSING_SHARE * self.pace:
             verdict = "probed"
@@ -151,6 +174,13 @@ class Pacer:
         self._answers = self._bound = 0
         self.last_window = Window(answers, bound, seconds, rate, verdict, self.capacity, self.pace)
         return self.last_window
+
+    @staticmethod
+    def _implied(rate: float, busy_share: float) -> float:
+        """The frames a second the engine could answer, from `rate` answered while it was busy
+        `busy_share` of the time (see the module)."""
+        linear = rate / max(busy_share, MIN_BUSY_SHARE)
+        return min(linear * EXTRAPOLATION_SAFETY, rate * MAX_EXTRAPOLATION)
 
     def _reset_window(self) -> None:
         self._start = None

@@ -277,7 +277,8 @@ class StreamSession:
         of the engine), and take the interval to send with its result."""
         pacer, metrics = self.services.pacer, self.services.metrics
         age = done - frame.received
-        window = pacer.answered(done, age, frame.interval_ms, waiting=self.pending is not None)
+        window = pacer.answered(done, age, frame.interval_ms, waiting=self.pending is not None,
+                                busy_ms=engine_busy_ms(self.services.reader))
         if window is not None:
             log.debug("camera pacing: %d answers in %.1f s (%d engine-bound): %s; capacity %.1f, pace %.1f frames/s",
                       window.answers, window.seconds, window.engine_bound, window.verdict, window.capacity, window.pace)
@@ -285,6 +286,16 @@ class StreamSession:
         metrics.frame_decided(age)
         metrics.frame_paced(age, self.interval_ms)
         metrics.paced(pacer.capacity, pacer.pace, self.interval_ms)
+
+
+def engine_busy_ms(reader: object) -> float | None:
+    """The engine's busy milliseconds so far, where the reader counts them (the hf engine's
+    `busy_ms` stat), for the pacer; None for a reader that does not (or whose stats fail)."""
+    try:
+        value = getattr(reader, "stats", {}).get("busy_ms")
+    except Exception:  # noqa: BLE001 - a broken stats property must not end a camera session
+        return None
+    return float(value) if value is not None else None
 
 
 def _b64decode(payload: str) -> bytes:

@@ -177,3 +177,32 @@ def test_admitted_sessions_are_never_closed_when_the_capacity_falls():
     assert len(p.sessions) == 10  # nobody is put out; each is paced slower instead
     assert p.next_frame_ms() == 5000 > before
     assert not p.admit("eleventh").admitted
+
+
+def test_an_engine_busy_a_small_share_of_the_window_extrapolates_the_capacity_at_once():
+    from app.web.pacing import EXTRAPOLATION_SAFETY, MAX_EXTRAPOLATION
+
+    p = pacer()
+    for i in range(4):
+        assert p.admit(f"s{i}").admitted
+    # Four cameras at 2 fps, answered fresh, the engine busy 10 % of the time: 8 fps seen, so about
+    # 8 / 0.1 x 0.7 = 56 it could do, capped at 4 x 8 = 32.
+    start, busy = 0.0, 0.0
+    for index in range(round(8 * RULES.window_s)):
+        busy += 1000 * 0.1 / 8  # 12.5 ms of engine time an answer
+        assert p.answered(start + index / 8, 0.1, 500, False, busy_ms=busy) is None
+    window = p.answered(RULES.window_s, 0.1, 500, False, busy_ms=busy + 12.5)
+    assert window is not None and window.verdict == "extrapolated"
+    assert window.capacity == pytest.approx(min(8 / 0.1 * EXTRAPOLATION_SAFETY, 8 * MAX_EXTRAPOLATION), rel=0.1)
+    assert p.measured and p.pace >= p.capacity
+    # Now (n + 1) x 1.5 <= 32 x 0.8: 17 sessions fit, where the prior admitted 4.
+    assert all(p.admit(f"t{i}").admitted for i in range(13)) and not p.admit("one more").admitted
+
+
+def test_without_busy_time_nothing_is_extrapolated():
+    p = pacer()
+    p.admit("s0")
+    for index in range(round(8 * RULES.window_s)):
+        p.answered(index / 8, 0.1, 500, False)
+    window = p.answered(RULES.window_s, 0.1, 500, False)
+    assert window is not None and window.verdict != "extrapolated"

@@ -444,6 +444,7 @@ class HFReader:
         """After a pass: count what it captured or compiled since `ready` (none should: the shape
         policy's set is captured and compiled before), with the pass's `seconds`; and if it built
         anything, set the heap aside again."""
+        self.runner.stats["busy_ms"] += round(seconds * 1000)  # the engine thread's work (camera pacing)
         counts = compile_counts(self.runner)
         if counts != self._compiled:
             for name, now, before in zip(AFTER_READY, counts, self._compiled):
