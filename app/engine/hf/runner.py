@@ -160,17 +160,21 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
             inputs = self.model_inputs(sample_image)
             jobs.append(("vision", partial(vision.prepare, inputs["pixel_values"], inputs["image_position_ids"])))
         skipped: Counter[str] = Counter()
+        caches = [graphs.cache for graphs in (decoder, encoder, vision) if graphs is not None]
         for done, (kind, job) in enumerate(jobs):
             if done % 8 == 0:
                 report("capturing graphs", done, len(jobs))
+            if any(cache.failed for cache in caches):  # the pool they share may be broken: stop
+                skipped[kind] += 1
+                continue
             if reserve_bytes and self.device.type == "cuda" and torch.cuda.mem_get_info(self.device)[0] < reserve_bytes:
                 skipped[kind] += 1
                 continue
             job()
         report("capturing graphs", len(jobs), len(jobs))
         if skipped:
-            log.warning("graphs left out to keep %.1f GiB of GPU memory free (their passes run eagerly): %s",
-                        reserve_bytes / 2**30, dict(skipped))
+            log.warning("graphs left out, after a failed capture or to keep %.1f GiB of GPU memory free (their "
+                        "passes run eagerly, counted): %s", reserve_bytes / 2**30, dict(skipped))
         self.freeze_graphs()
         return self.graphs_held()
 

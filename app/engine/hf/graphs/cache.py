@@ -23,21 +23,18 @@ K = TypeVar("K", bound=Hashable)
 G = TypeVar("G")
 
 
-def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torch.device, *,
-            warm_up: bool = True) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Capture `forward` into a CUDA graph over the shared memory `pool`; returns the graph and what
-    the captured call returned (its outputs live in the pool and are rewritten by every replay).
-    With `warm_up`, it first runs once on a side stream (lazy initialisation: cuBLAS handles and
-    workspaces, the allocator's first blocks). A kind's first capture warms up; the others need not,
-    since their kernels are compiled and their libraries initialised by then, and each forward of the
-    full model costs ~100 ms of launches on the host (half the start-up's capture time measured on
-    the H200; docs/benchmarks.md)."""
-    if warm_up:
-        stream = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            forward()
-        torch.cuda.current_stream(device).wait_stream(stream)
+def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Run `forward` once on a side stream, then capture it into a CUDA graph over the shared memory
+    `pool`; returns the graph and what the captured call returned (its outputs live in the pool and
+    are rewritten by every replay). The run before is needed for every shape, not only a kind's
+    first: without it the captures of new shapes failed on the H200 (a compiled piece's first call
+    of a shape copies from the host), and one failed capture left the pool recording, failing every
+    capture after it (docs/benchmarks.md)."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         output = forward()
@@ -83,6 +80,9 @@ class GraphCache(Generic[K, G]):
             self.failed[key] = f"{type(exc).__name__}: {exc}"
             self.stats[f"{self.name}_graph_failures"] += 1
             log.warning("%s graph %s cannot be built, its passes run eagerly: %s", self.name, key, self.failed[key])
+            # A capture that failed half-way can leave the shared pool recording, and every capture
+            # after it fails too: build nothing more (every other key is a counted fallback).
+            self.frozen = True
             return None
         self._held[key] = graph
         self.stats[f"{self.name}_graphs_built"] += 1

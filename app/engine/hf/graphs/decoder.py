@@ -220,7 +220,7 @@ class DecoderGraphs:
         self._load(graph, [], None)
         if self.capture:
             before = torch.cuda.memory_allocated(self.device)
-            graph.graph, output = capture(lambda: self._forward(graph), self.pool, self.device, warm_up=not self.captures)
+            graph.graph, output = capture(lambda: self._forward(graph), self.pool, self.device)
             assert isinstance(output, torch.Tensor)
             graph.output = output
             graph.memory = torch.cuda.memory_allocated(self.device) - before

@@ -280,7 +280,7 @@ class EncoderGraphs:
         )
         if self.capture and self.graphed(key):
             before = torch.cuda.memory_allocated(self.device)
-            graph.graph, _ = capture(lambda: self._forward(graph), self.pool, self.device, warm_up=not self.captures)
+            graph.graph, _ = capture(lambda: self._forward(graph), self.pool, self.device)
             graph.memory = torch.cuda.memory_allocated(self.device) - before
             log.debug("captured the encoder pass for %d rows x %d tokens after %d prefix slots (%.0f MiB)", batch,
                       length, slots, graph.memory / 2**20)

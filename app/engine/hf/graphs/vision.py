@@ -117,7 +117,7 @@ class VisionGraphs:
         )
         self._load(graph, pixel_values, positions)
         if self.capture:
-            graph.graph, outputs = capture(lambda: self._forward(graph), self.pool, self.device, warm_up=not self.captures)
+            graph.graph, outputs = capture(lambda: self._forward(graph), self.pool, self.device)
             assert isinstance(outputs, tuple)
             graph.features, graph.valid = outputs
         return graph
