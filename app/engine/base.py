@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
@@ -23,6 +25,18 @@ if TYPE_CHECKING:
     from PIL import Image
 
 T = TypeVar("T")
+
+# Who a read is for: one decision. The web layer sets it around each decision (`new_caller`), and the
+# decision's group tasks inherit it; a reader may use it to share its batches fairly among callers
+# (the hf engine does). 0: nobody said (tests, scripts), all one caller.
+current_caller: ContextVar[int] = ContextVar("djev_current_caller", default=0)
+_callers = itertools.count(1)
+
+
+def new_caller() -> int:
+    """A caller id no other decision of this process has."""
+    return next(_callers)
+
 
 # Told each start-up phase as it begins and as it goes: (phase, done, total), e.g.
 # ("loading weights", 0, 1) or ("capturing graphs", 12, 40). `/health` shows the latest.

@@ -21,6 +21,7 @@ from app.decisions.chat import chat_to_body
 from app.decisions.outcome import Outcome
 from app.decisions.plan import Plan
 from app.decisions.request import Decision, parse_decision
+from app.engine.base import current_caller, new_caller
 from app.web.body import RawBody, parse_payload
 from app.web.errors import ClientGone, render_json
 from app.web.images import check_images
@@ -123,8 +124,12 @@ def expensive_field(svc: Services, decision: Decision) -> str:
 async def decide(svc: Services, prepared: Prepared, route: str, receive: Receive | None = None) -> Outcome:
     """Run one decision admitted by its cost, under the deadline, count it and log it in one line."""
     started = time.perf_counter()
-    with svc.admission.admit(prepared.cost):
-        outcome = await guarded(svc, lambda: svc.decider.decide(prepared.decision, prepared.plan), receive)
+    token = current_caller.set(new_caller())  # the engine shares its batches fairly among decisions
+    try:
+        with svc.admission.admit(prepared.cost):
+            outcome = await guarded(svc, lambda: svc.decider.decide(prepared.decision, prepared.plan), receive)
+    finally:
+        current_caller.reset(token)
     svc.metrics.decided(route, outcome, time.perf_counter() - started)
     log.info("%s: %s", route, outcome.summary)
     return outcome

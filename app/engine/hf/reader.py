@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Generator, Sequence, TypeVar
@@ -40,6 +40,7 @@ from app.engine.base import (
     ReadResult,
     ReadSpec,
     collect,
+    current_caller,
     describe,
 )
 
@@ -141,6 +142,7 @@ class _ReadJob:
 
     def __init__(self, specs: list[ReadSpec], future: asyncio.Future[list[ReadResult]], images: Preprocessed,
                  heavy: bool = False) -> None:
+        self.caller = current_caller.get()  # the decision it is for: batches are shared fairly among them
         self.specs = specs
         self.future = future
         self.rows = sum(len(spec.canvases) for spec in specs)
@@ -400,19 +402,40 @@ class HFReader:
                 except asyncio.CancelledError:  # the engine stops: back in the queue, which stop() fails
                     self._queue.appendleft(job)
                     raise
-            batch = [job]
-            rows = job.rows
-            while self._queue and isinstance(self._queue[0], _ReadJob) and not self._queue[0].heavy:
-                nxt = self._queue[0]
-                if nxt.dropped:
-                    self._release(self._queue.popleft())
+            await self._read_batch(loop, self._take_batch(job))
+
+    def _take_batch(self, first: _ReadJob) -> list[_ReadJob]:
+        """`first` and the queued light reads that join its batch, up to MAX_BATCH_ROWS canvases, in
+        arrival order, shared fairly among callers (decisions: `current_caller`): while reads of
+        other callers wait, one caller's reads take at most half the batch in the first pass, so a
+        decision of 200 questions cannot keep a steady client's read out of batch after batch; the
+        room left is then filled in arrival order. A read that does not fit ends each pass (nothing
+        jumps a read that waits for room), and a read at the head of the queue always goes next."""
+        limit = self.options.max_batch_rows
+        queue = list(self._queue)
+        light = [job for job in queue if isinstance(job, _ReadJob) and not job.heavy]
+        for job in light:
+            if job.dropped:
+                self._release(job)
+        light = [job for job in light if not job.dropped]
+        fair = any(job.caller != first.caller for job in light)
+        share = max(first.rows, limit // 2)
+        taken: Counter[int] = Counter({first.caller: first.rows})
+        chosen: dict[int, _ReadJob] = {}
+        rows = first.rows
+        for capped in ((True, False) if fair else (False,)):
+            for job in light:
+                if id(job) in chosen:
                     continue
-                if rows + nxt.rows > self.options.max_batch_rows:
+                if rows + job.rows > limit:
                     break
-                self._queue.popleft()
-                batch.append(nxt)
-                rows += nxt.rows
-            await self._read_batch(loop, batch)
+                if capped and taken[job.caller] + job.rows > share:
+                    continue
+                chosen[id(job)] = job
+                taken[job.caller] += job.rows
+                rows += job.rows
+        self._queue = deque(job for job in queue if id(job) not in chosen and not job.dropped)
+        return [first, *(job for job in light if id(job) in chosen)]
 
     async def _gather(self, first: _ReadJob) -> None:
         """Wait up to `gather_ms` for more reads to join `first`'s batch, ending as soon as the queue

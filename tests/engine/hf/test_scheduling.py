@@ -404,3 +404,38 @@ def test_out_of_memory_fails_only_the_batch_that_hit_it_as_a_503():
 
     assert len(run(scenario())) == 1
     assert runner.stats["out_of_memory"] == 1 and reader.degraded is None  # nothing degraded for others
+
+
+def test_batches_are_shared_fairly_among_callers():
+    """A decision of many reads (200 questions: 40 reads of 4 canvases) ahead of a steady client's
+    one read: the steady read rides the first batch, not the eleventh; a lone caller's reads still
+    fill whole batches."""
+    from app.engine.base import current_caller
+
+    runner = FakeRunner(delay=0.02)
+    reader = make_reader(runner, max_rows=16)
+
+    async def decision(caller: int, tags: range, canvases: int):
+        current_caller.set(caller)  # as the web layer does around a decision (this task's own context)
+        return await asyncio.gather(*(reader.read([spec(tag, canvases=canvases)]) for tag in tags))
+
+    async def scenario():
+        await reader.start()
+        blocker = asyncio.create_task(reader.read([spec(999)]))  # a batch runs while the rest queue
+        await asyncio.sleep(0.005)
+        big = asyncio.create_task(decision(1, range(100, 140), 4))
+        await asyncio.sleep(0.001)
+        steady = asyncio.create_task(decision(2, range(7, 8), 1))
+        await asyncio.gather(blocker, big, steady)
+        lone = asyncio.create_task(decision(3, range(300, 340), 4))
+        await lone
+        await reader.stop()
+
+    run(scenario())
+    batches = [tags for kind, tags in runner.log if kind == "read"]
+    where = next(number for number, tags in enumerate(batches) if 7 in tags)
+    assert where <= 2, batches  # behind the running batch and at most the one formed with it
+    lone = [tags for tags in batches if any(tag >= 300 for tag in tags)]
+    assert len(lone) <= 11 and all(len(tags) == 4 for tags in lone[1:])  # full batches (the first may go alone)
+    flat = [tag for tags in batches for tag in tags if 100 <= tag < 140]
+    assert flat == sorted(flat)  # one caller's reads keep their order
