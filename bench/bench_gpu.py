@@ -233,8 +233,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for kind, graph_set in (("decoder", made.graphs), ("encoder", made.encoder_graphs)):
                 if graphs and graph_set is not None:
                     memory[f"[{mode}] {kind} graphs, {'cached' if made is cached else 'uncached'} runner"] = {
-                        "captured": graph_set.captures, "held": len(graph_set.graphs),
-                        "memory_gib": round(graph_set.memory_bytes / 2**30, 2), "disabled": graph_set.disabled}
+                        "captured": graph_set.captures, "held": len(graph_set.cache),
+                        "memory_gib": round(graph_set.memory_bytes / 2**30, 2), "failed": len(graph_set.cache.failed)}
 
     return {
         "model": "tiny random-weight config (app/engine/tiny.py)" if args.tiny else

@@ -322,22 +322,24 @@ async def gather_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> l
 
 
 async def eager_tokens_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Where the encoder's large passes stop being graphed (EAGER_TOKENS in app/engine/hf/graphs/encoder.py)
+    """Where the encoder's large passes stop being graphed (EAGER_TOKENS in app/engine/hf/graphs/shapes.py)
     chosen by measurement: the closed loop at `--eager-levels` clients for each threshold of
-    `--eager-tokens`; the runner's own threshold is restored."""
+    `--eager-tokens`; the runner's own shape policy is restored."""
+    import dataclasses
+
     graphs = reader.runner.encoder_graphs
     if graphs is None:
         return []
-    configured = graphs.eager_tokens
+    configured = graphs.policy
 
     def use(threshold: int) -> str:
-        graphs.eager_tokens = threshold
+        graphs.policy = dataclasses.replace(configured, eager_tokens=threshold)
         return f"encoder graphs below {threshold} tokens, "
 
     try:
         return await sweep(decider, reader, args, "eager_tokens", args.eager_tokens, args.eager_levels, use, 6000)
     finally:
-        graphs.eager_tokens = configured
+        graphs.policy = configured
 
 
 async def unshared(decider: Any, reader: Any, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
@@ -447,13 +449,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         runner = reader.runner
         graphs, encoder_graphs = runner.graphs, runner.encoder_graphs
         results["cuda_graphs"] = None if graphs is None else {
-            "decoder_captured": graphs.captures, "decoder_disabled": graphs.disabled,
-            "decoder_held": len(graphs.graphs), "decoder_memory_gib": round(graphs.memory_bytes / 2**30, 2),
-            "encoder_captured": encoder_graphs.captures, "encoder_disabled": encoder_graphs.disabled,
-            "encoder_held": len(encoder_graphs.graphs),
+            "decoder_captured": graphs.captures, "decoder_failed": len(graphs.cache.failed),
+            "decoder_held": len(graphs.cache), "decoder_memory_gib": round(graphs.memory_bytes / 2**30, 2),
+            "encoder_captured": encoder_graphs.captures, "encoder_failed": len(encoder_graphs.cache.failed),
+            "encoder_held": len(encoder_graphs.cache),
             "encoder_memory_gib": round(encoder_graphs.memory_bytes / 2**30, 2),
-            "vision_captured": getattr(runner.vision_graphs, "captures", None),
-            "vision_disabled": getattr(runner.vision_graphs, "disabled", None)}
+            "vision_captured": getattr(runner.vision_graphs, "captures", None)}
         print(f"  cuda graphs: {results['cuda_graphs']}", flush=True)
         results["stats"] = dict(reader.stats)
         if on_cuda:

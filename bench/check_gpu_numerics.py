@@ -63,9 +63,9 @@ def main() -> None:
             made = DiffusionRunner(model, None, device=device, max_prompt_tokens=32768, kv_entries=64, max_rows=64,
                                    cuda_graphs=graphs)
             if static_decoder:
-                made.graphs = DecoderGraphs(model, made.layer_types, device, pad_id=0, capture=False)
+                made.graphs = DecoderGraphs(model, made.layer_types, device, pad_id=0, capture=False, policy=made.policy)
             if static_encoder:
-                made.encoder_graphs = EncoderGraphs(model, made.layer_types, device, capture=False,
+                made.encoder_graphs = EncoderGraphs(model, made.layer_types, device, capture=False, policy=made.policy,
                                                     sliding_window=int(made.text_config.sliding_window))
             return made
 
@@ -117,8 +117,8 @@ def main() -> None:
               f"(encoder passes unbucketed: {both_static.stats.get('encoder_unbucketed_passes', 0)})")
         print("  graph replay vs both static      ", [largest_difference(a, b) for a, b in zip(both_reads, graph_reads)])
         print("  batched graph replay vs static   ", [largest_difference(a, b) for a, b in zip(static_batch, graph_batch)],
-              f"(decoder captured {graphed.graphs.captures}, disabled: {graphed.graphs.disabled}; encoder captured "
-              f"{graphed.encoder_graphs.captures}, disabled: {graphed.encoder_graphs.disabled})", flush=True)
+              f"(decoder captured {graphed.graphs.captures}, failed: {dict(graphed.graphs.cache.failed)}; encoder "
+              f"captured {graphed.encoder_graphs.captures}, failed: {dict(graphed.encoder_graphs.cache.failed)})", flush=True)
         check_prefix(runner)
         check_vision(model, device)
         del model, plain, encoder_static, both_static, graphed
@@ -172,7 +172,7 @@ def check_prefix(runner) -> None:
         print(label, "static vs alone     ", [largest_difference(a, b) for a, b in zip(alone, over)])
         print(label, "batched vs alone    ", [largest_difference(a, b) for a, b in zip(alone, batched)])
         print(label, "replay vs static    ", [largest_difference(a, b) for a, b in zip(one_by_one, replayed)],
-              f"(graphs held {sorted(graphed.encoder_graphs.graphs)})", flush=True)
+              f"(graphs held {sorted(graphed.encoder_graphs.cache)})", flush=True)
     print(f"  prefix counters: static {dict((k, v) for k, v in static.stats.items() if 'prefix' in k)}, "
           f"graphed {dict((k, v) for k, v in graphed.stats.items() if 'prefix' in k)}", flush=True)
 
@@ -205,7 +205,7 @@ def check_vision(model, device) -> None:
         graphed = VisionGraphs(model, device, capture=True)
         replayed = graphed.features(pixels, positions)
     if replayed is None:
-        print(f"  vision graph: capture failed, eager as designed: {graphed.disabled}", flush=True)
+        print(f"  vision graph: capture failed, eager as designed: {dict(graphed.cache.failed)}", flush=True)
         return
     scale = float(library.abs().max())
     print(f"  vision static vs library: largest difference {float((static - library).abs().max()):.3g} "
