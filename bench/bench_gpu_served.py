@@ -580,8 +580,9 @@ def camera_plot(results: dict[str, Any], path: Path) -> Path | None:
     return plot_panels(path, "djev serve: cameras at 2 fps over /v1/stream", "cameras", xs, [
         Panel("answer age, ms", [Series("p50", [s["age"]["p50_ms"] for s in served]),
                                  Series("p95", [s["age"]["p95_ms"] for s in served])]),
-        Panel("share of frames", [Series("answered", [s["answered_share"] for s in served]),
-                                  Series(f"answered within {FRESH_S:g} s", [s["fresh_share"] for s in served])],
+        Panel("share", [Series("cameras admitted", [s["admitted"] / max(1, p["clients"]) for s, p in zip(served, points)]),
+                        Series("frames answered", [s["answered_share"] for s in served]),
+                        Series(f"answered within {FRESH_S:g} s", [s["fresh_share"] for s in served])],
               y_max=1.0),
     ])
 
@@ -623,6 +624,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "(default 520; --quick 228)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the server may take to be ready")
     parser.add_argument("--out-dir", default=os.environ.get("OUT") or ".", help="where the outputs go (default $OUT)")
+    parser.add_argument("--replot", metavar="JSON", help="only redraw the camera curve of a stored run's JSON "
+                        "(beside it, as <name>_camera_curve.png)")
     parser.add_argument("--server-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -630,7 +633,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.server_child:
+    if args.server_child or args.replot:
         return args
     if not args.tiny and not args.device.startswith("cuda"):
         parser.error("the full-size model needs a GPU; use --tiny to check the script on a CPU")
@@ -666,6 +669,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.server_child:
         return server_child(args)
+    if args.replot:  # redraw the camera curve of a stored run
+        import json
+
+        source = Path(args.replot)
+        plot = camera_plot(json.loads(source.read_text()), source.with_name(source.stem + "_camera_curve.png"))
+        print(f"plot: {plot}")
+        return 0 if plot else 1
     began = now()
     deadline = began + args.deadline
     out_dir = Path(args.out_dir)
