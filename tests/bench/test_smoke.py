@@ -59,3 +59,12 @@ def test_bench_gpu_served_tiny_runs(tmp_path):
         os.killpg(data["server_pid"], 0)
     for pid in data["client_pids"]:
         assert not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.timeout(600)
+def test_probe_gpu_stance_tiny_runs(tmp_path):
+    run_bench("probe_gpu_stance.py", "--seconds", "0.3", "--clients", "2", "--out", str(tmp_path / "probe.json"),
+              out=tmp_path)
+    rows = json.loads((tmp_path / "probe.json").read_text())
+    assert {row["stance"] for row in rows} == {"default", "eager_on_recompile"}
+    assert all(row["timing"]["encode_many_calls"] >= 1 for row in rows)
