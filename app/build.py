@@ -102,6 +102,7 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
         canvas_step=settings.decisions.canvas_step,
         max_images=settings.limits.max_images,
         prefill_chunk=settings.hf.prefill_chunk,
+        prompt_cache_bytes=round(settings.hf.prompt_cache_gb * 2**30),
     )
 
 

@@ -180,6 +180,9 @@ class HFSettings:
     kv_cache_entries: int = field(default=64, metadata=_meta(
         "KV_CACHE_ENTRIES", "encoded prompts kept for reuse (hf engine; the shared-prefix LRU keeps min(N, 16); "
         "0 turns both off)"))
+    prompt_cache_gb: float = field(default=16.0, metadata=_meta(
+        "PROMPT_CACHE_GB", "hf: GiB the encoded prompts kept for reuse may hold at most, so a few long states "
+        "cannot fill the GPU (0 = bounded by KV_CACHE_ENTRIES only)"))
     cuda_graphs: bool = field(default=True, metadata=_meta(
         "CUDA_GRAPHS", "1 replays decoder passes as CUDA graphs (CUDA only; 0 = eager)"))
     torch_compile: bool = field(default=True, metadata=_meta(
@@ -198,6 +201,8 @@ class HFSettings:
         problems = ["MAX_BATCH_ROWS must be at least 1"] if self.max_batch_rows < 1 else []
         if self.prefill_chunk < 16:
             problems.append(f"PREFILL_CHUNK must be at least 16 tokens, not {self.prefill_chunk}")
+        if not self.prompt_cache_gb >= 0:
+            problems.append(f"PROMPT_CACHE_GB must be at least 0, not {self.prompt_cache_gb}")
         return problems
 
 

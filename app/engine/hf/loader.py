@@ -104,6 +104,7 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         canvas_step=options.canvas_step,
         max_images=options.max_images,
         prefill_chunk=options.prefill_chunk,
+        kv_bytes=options.prompt_cache_bytes,
     )
     if options.fused_moe and on_cuda:
         from app.engine.hf.moe.fused import warm_up_experts

@@ -45,6 +45,12 @@ class EncodedPrompt:
     layers: Layers
     length: int  # prompt tokens as the model saw them, image soft tokens included
 
+    @property
+    def nbytes(self) -> int:
+        """The memory its KV takes."""
+        return sum(keys.numel() * keys.element_size() + values.numel() * values.element_size()
+                   for keys, values in self.layers)
+
 
 def cache_kv(cache: Cache) -> Layers:
     """Each layer's keys and values in a cache that a pass has filled. The library types a cache's
@@ -85,11 +91,18 @@ Pending = tuple[CacheKey, list[int]]
 
 class PromptCache(Generic[K, V]):
     """Bounded LRU of encoded prompts: a repeated prompt (the same state, the same question sheet)
-    pays its encoder pass once. (Also of image features, and of shared prefixes' KV.)"""
+    pays its encoder pass once. (Also of image features, and of shared prefixes' KV.) Bounded in
+    entries, and with `max_bytes` also in the bytes its items hold (`size`): a few long states'
+    KV (tens of MiB to GiBs each) cannot fill the GPU however few entries they are. An item larger
+    than `max_bytes` alone is not kept."""
 
-    def __init__(self, entries: int) -> None:
+    def __init__(self, entries: int, max_bytes: int = 0, size: Callable[[V], int] | None = None) -> None:
         self.entries = entries
+        self.max_bytes = max_bytes  # 0: no byte bound
+        self._size = size or (lambda item: 0)
         self._items: OrderedDict[K, V] = OrderedDict()
+        self._sizes: dict[K, int] = {}
+        self.bytes = 0  # what the items held now take
 
     def get(self, key: K) -> V | None:
         item = self._items.get(key)
@@ -100,10 +113,21 @@ class PromptCache(Generic[K, V]):
     def put(self, key: K, item: V) -> None:
         if self.entries <= 0:
             return
+        size = self._size(item) if self.max_bytes else 0
+        if self.max_bytes and size > self.max_bytes:
+            self._drop(key)
+            return
+        self._drop(key)
         self._items[key] = item
-        self._items.move_to_end(key)
-        while len(self._items) > self.entries:
-            self._items.popitem(last=False)
+        self._sizes[key] = size
+        self.bytes += size
+        while len(self._items) > self.entries or (self.max_bytes and self.bytes > self.max_bytes):
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, key: K) -> None:
+        if key in self._items:
+            del self._items[key]
+            self.bytes -= self._sizes.pop(key, 0)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -115,6 +139,8 @@ class PromptCache(Generic[K, V]):
 
     def clear(self) -> None:
         self._items.clear()
+        self._sizes.clear()
+        self.bytes = 0
 
     def __contains__(self, key: object) -> bool:
         """Membership without touching the LRU order, so the event loop may ask while the engine

@@ -74,6 +74,7 @@ class HFOptions:
     canvas_step: int = 16  # canvas widths are multiples of it (the decoder graphs' width buckets)
     max_images: int = 8  # images a request may hold
     prefill_chunk: int = 2048  # prompt tokens encoded in one engine turn (longer prompts: in chunks)
+    prompt_cache_bytes: int = 0  # the bytes the prompt LRU may hold (0: bounded by entries only)
 
 
 def settle_heap() -> None:

@@ -94,6 +94,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         canvas_step: int = 16,
         max_images: int = 8,
         prefill_chunk: int = 2048,
+        kv_bytes: int = 0,
     ) -> None:
         self.model = model
         self.image_processor = image_processor
@@ -107,7 +108,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self.max_prompt_tokens = max_prompt_tokens
         self.max_rows = max(1, max_rows)
         self.prefill_chunk = max(16, prefill_chunk)
-        self.prompts = PromptCache(kv_entries)
+        self.prompts = PromptCache(kv_entries, max_bytes=kv_bytes, size=lambda encoded: encoded.nbytes)
         # Image features by the images' digests: a frame restated in a later stage skips the vision
         # tower (a few MiB an entry).
         self.vision = PromptCache(min(kv_entries, 16))

@@ -97,3 +97,35 @@ def test_the_chunks_of_a_long_read_take_turns_with_short_reads(tiny_dir, tokeniz
     assert turns < chunks  # the short reads were answered while the long prompt was still encoding
     assert reader.stats["heavy_turns"] == chunks + 1  # every chunk, then its decoder pass
     assert len(result.slots) == 3
+
+
+def test_the_prompt_lru_is_bounded_in_bytes_and_evicts_the_oldest_first():
+    from app.engine.hf.prompts import PromptCache
+
+    cache: PromptCache[str, bytes] = PromptCache(10, max_bytes=100, size=len)
+    cache.put("a", b"x" * 40)
+    cache.put("b", b"x" * 40)
+    assert cache.bytes == 80 and len(cache) == 2
+    cache.get("a")  # used: b is now the oldest
+    cache.put("c", b"x" * 40)  # 120 > 100: the least recently used goes
+    assert "b" not in cache and "a" in cache and "c" in cache and cache.bytes == 80
+    cache.put("huge", b"x" * 101)  # larger than the bound alone: not kept, nothing evicted for it
+    assert "huge" not in cache and len(cache) == 2
+    cache.put("a", b"x" * 10)  # replacing an entry counts its new size only
+    assert cache.bytes == 50
+    cache.clear()
+    assert cache.bytes == 0 and len(cache) == 0
+
+
+@torch.no_grad()
+def test_long_states_kv_is_kept_within_prompt_cache_gb(tiny_dir, tokenizer):
+    """The runner's prompt LRU holds at most PROMPT_CACHE_GB of KV: on the tiny model a bound of two
+    long states' KV keeps the last two."""
+    probe = make_tiny_reader(tiny_dir, prefill_chunk=64).runner
+    one = run_steps(probe.encode_steps(long_spec(tokenizer).prompt)).nbytes
+    runner = make_tiny_reader(tiny_dir, prefill_chunk=64, prompt_cache_gb=2.5 * one / 2**30).runner
+    prompts = [long_spec(tokenizer, LONG_STATE + f" variant {n}").prompt for n in range(4)]
+    for prompt in prompts:
+        run_steps(runner.encode_steps(prompt))
+    assert runner.prompts.bytes <= 2.5 * one and len(runner.prompts) == 2
+    assert prompts[3].cache_key in runner.prompts and prompts[0].cache_key not in runner.prompts
