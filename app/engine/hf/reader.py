@@ -24,7 +24,7 @@ import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Generator, Sequence, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Generator, Sequence, TypeVar
 
 from app.engine.base import (
     CacheKey,
@@ -120,6 +120,7 @@ AFTER_READY = ("captures_after_ready", "recompiles_after_ready", "triton_compile
 
 
 Result = TypeVar("Result")
+Value = TypeVar("Value")
 
 
 def advance(steps: Generator[None, None, Result]) -> tuple[bool, Result | None]:
@@ -130,6 +131,14 @@ def advance(steps: Generator[None, None, Result]) -> tuple[bool, Result | None]:
     except StopIteration as stop:
         return True, stop.value
     return False, None
+
+
+Outcomes = list[ReadResult | Exception]  # a batch's reads: each its result or its exception
+
+
+def advance_read(program: Generator[None, None, Outcomes]) -> tuple[bool, Outcomes | None]:
+    """`advance` for a heavy read's program (`DiffusionRunner.read_steps`)."""
+    return advance(program)
 
 
 def _cache_keys(prompts: Sequence[Prompt]) -> list[CacheKey]:
@@ -490,55 +499,26 @@ class HFReader:
         images: dict[tuple[str, ...], ProcessedImages | EngineInputError] = {}
         for job in batch:
             images.update(self._release(job))
-        started = time.perf_counter()
-        try:
-            results = await loop.run_in_executor(self._executor, self.runner.read, specs, images)
-        except asyncio.CancelledError:
-            for job in batch:
-                self._fail(job, EngineUnavailable("the engine stopped"))
-            raise
-        except EngineInputError as exc:
-            for job in batch:
-                self._fail(job, exc)
+        ok, results = await self._engine_turn(loop, batch, "a read batch", self.runner.read, specs, images)
+        if not ok:
             return
-        except Exception as exc:  # noqa: BLE001 - a model failure must reach every waiting request
-            failure = self._engine_failure(exc, "a read batch")
-            for job in batch:
-                self._fail(job, failure)
-            return
-        self._settle_if_built(time.perf_counter() - started)
+        assert results is not None
         self.runner.stats["batches"] += 1
         offset = 0
         for job in batch:
-            mine = results[offset:offset + len(job.specs)]
+            self._settle(job, results[offset:offset + len(job.specs)])
             offset += len(job.specs)
-            if job.future.done():
-                continue
-            failure = next((r for r in mine if isinstance(r, Exception)), None)
-            if failure is not None:
-                job.future.set_exception(failure)
-            else:
-                job.future.set_result([r for r in mine if not isinstance(r, Exception)])  # all of them
 
     async def _heavy_turn(self, loop: asyncio.AbstractEventLoop, job: _ReadJob) -> None:
         """One step of a heavy read (a chunk of a long prompt's encoding, or one decoder pass), then
         back in line; its results once the last step is done."""
         if job.program is None:
             job.program = self.runner.read_steps(job.specs, self._release(job))
-        started = time.perf_counter()
-        try:
-            done, results = await loop.run_in_executor(self._executor, advance, job.program)
-        except asyncio.CancelledError:
-            self._fail(job, EngineUnavailable("the engine stopped"))
-            raise
-        except EngineInputError as exc:
-            self._fail(job, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - a model failure must reach the waiting request
+        ok, step = await self._engine_turn(loop, [job], "a heavy read", advance_read, job.program)
+        if not ok or step is None:
             job.program = None
-            self._fail(job, self._engine_failure(exc, "a heavy read"))
             return
-        self._settle_if_built(time.perf_counter() - started)
+        done, results = step
         self.runner.stats["heavy_turns"] += 1
         if not done:
             if job.dropped:
@@ -546,30 +526,14 @@ class HFReader:
             else:
                 self._queue.append(job)
             return
-        if job.future.done():
-            return
         assert results is not None
-        failure = next((r for r in results if isinstance(r, Exception)), None)
-        if failure is not None:
-            job.future.set_exception(failure)
-        else:
-            job.future.set_result([r for r in results if not isinstance(r, Exception)])
+        self._settle(job, results)
 
     async def _generation_turn(self, loop: asyncio.AbstractEventLoop, job: _GenerateJob) -> None:
         """One model pass of a generation (its prompt encoding is the first), then back in line."""
-        started = time.perf_counter()
-        try:
-            chunk = await loop.run_in_executor(self._executor, self._generation_pass, job, self._release(job))
-        except asyncio.CancelledError:
-            self._fail(job, EngineUnavailable("the engine stopped"))
-            raise
-        except EngineInputError as exc:
-            self._fail(job, exc)
+        ok, chunk = await self._engine_turn(loop, [job], "a generation", self._generation_pass, job, self._release(job))
+        if not ok:
             return
-        except Exception as exc:  # noqa: BLE001
-            self._fail(job, self._engine_failure(exc, "a generation"))
-            return
-        self._settle_if_built(time.perf_counter() - started)
         if chunk is not None:
             job.chunks.put_nowait(chunk)
             if chunk.done:
@@ -582,6 +546,41 @@ class HFReader:
             job.state = self.runner.start_generation(job.spec, self.info.canvas_length, images)
             return None
         return self.runner.step_generation(job.state)
+
+    async def _engine_turn(self, loop: asyncio.AbstractEventLoop, jobs: Sequence[_Job], work: str,
+                           call: Callable[..., Value], *args: object) -> tuple[bool, Value | None]:
+        """`call(*args)` on the engine thread, one turn of `work`: (True, its value), or (False,
+        None) once every job of `jobs` has been failed as the failure says (the engine stopping, the
+        input, the model: `_engine_failure`). Counts what the turn built and its busy time."""
+        started = time.perf_counter()
+        try:
+            value = await loop.run_in_executor(self._executor, call, *args)
+        except asyncio.CancelledError:
+            for job in jobs:
+                self._fail(job, EngineUnavailable("the engine stopped"))
+            raise
+        except EngineInputError as exc:
+            for job in jobs:
+                self._fail(job, exc)
+            return False, None
+        except Exception as exc:  # noqa: BLE001 - a model failure must reach every waiting request
+            failure = self._engine_failure(exc, work)
+            for job in jobs:
+                self._fail(job, failure)
+            return False, None
+        self._settle_if_built(time.perf_counter() - started)
+        return True, value
+
+    @staticmethod
+    def _settle(job: _ReadJob, results: Sequence[ReadResult | Exception]) -> None:
+        """A read job's results, or the first exception among them, to its caller (if still there)."""
+        if job.future.done():
+            return
+        failure = next((r for r in results if isinstance(r, Exception)), None)
+        if failure is not None:
+            job.future.set_exception(failure)
+        else:
+            job.future.set_result([r for r in results if not isinstance(r, Exception)])  # all of them
 
     def _engine_failure(self, exc: Exception, work: str) -> EngineError:
         """What the callers of failed work are told. Out of GPU memory fails only that work, as a
