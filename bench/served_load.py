@@ -233,19 +233,26 @@ async def rest_client(client: Any, make: Callable[[], tuple[dict[str, Any], byte
     """Closed loop: the next request when the answer comes, until `end`."""
     while now() < end:
         body, frame = make()
-        started = now()
-        try:
-            response = await post_decision(client, body, frame, CLIENT_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - every failure is tallied; a dead server must not spin
-            tally.error(error_key(exc))
-            await asyncio.sleep(0.05)
-            continue
-        if response.status_code == 200:
-            tally.latencies.append(now() - started)
-        else:
-            tally.error(str(response.status_code))
-            if response.status_code in (503, 529):
-                await backoff(response, end)
+        response = await timed_post(client, body, frame, tally)
+        if response is not None and response.status_code in (503, 529):
+            await backoff(response, end)
+
+
+async def timed_post(client: Any, body: dict[str, Any], frame: bytes | None, tally: Tally) -> Any:
+    """One decision posted and tallied (its latency when it is a 200, else its status or error);
+    the response, or None when the request failed (after a short pause: a dead server must not spin)."""
+    started = now()
+    try:
+        response = await post_decision(client, body, frame, CLIENT_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - every failure is tallied
+        tally.error(error_key(exc))
+        await asyncio.sleep(0.05)
+        return None
+    if response.status_code == 200:
+        tally.latencies.append(now() - started)
+    else:
+        tally.error(str(response.status_code))
+    return response
 
 
 # ---------------------------------------------------------------------------------------- camera clients
@@ -292,14 +299,23 @@ def hint_s(message: dict[str, Any], tally: Tally) -> float:
     return 0.0
 
 
-async def closed_camera(url: str, api_key: str, frames: Frames, end: float, tally: Tally) -> None:
-    """The walk page: the next frame when the answer comes (after `next_frame_ms` if the server asks)."""
+async def admitted_camera(url: str, api_key: str, tally: Tally) -> Any:
+    """A walk-page session opened and counted as admitted, or None (counted) when the server refused
+    it at open with 1013."""
     try:
         ws = await open_camera(url, api_key, WALK_REQUEST)
     except Refused:
         tally.count("refused (1013)")
-        return
+        return None
     tally.count("admitted")
+    return ws
+
+
+async def closed_camera(url: str, api_key: str, frames: Frames, end: float, tally: Tally) -> None:
+    """The walk page: the next frame when the answer comes (after `next_frame_ms` if the server asks)."""
+    ws = await admitted_camera(url, api_key, tally)
+    if ws is None:
+        return
     try:
         sent = 0
         while now() < end:
@@ -327,12 +343,9 @@ async def open_camera_client(url: str, api_key: str, frames: Frames, start: floa
     asks): each answer's age is its receipt time minus its frame's send time."""
     from websockets.exceptions import ConnectionClosed
 
-    try:
-        ws = await open_camera(url, api_key, WALK_REQUEST)
-    except Refused:
-        tally.count("refused (1013)")
+    ws = await admitted_camera(url, api_key, tally)
+    if ws is None:
         return
-    tally.count("admitted")
     sent_at: dict[int, float] = {}
     settled: set[int] = set()  # answered, dropped or failed
     not_before = [0.0]
@@ -391,17 +404,7 @@ async def steady_client(client: Any, start: float, alone_until: float, end: floa
     while now() < end:
         sequence += 1
         tally = tallies["steady alone" if now() < alone_until else "steady beside the heavy clients"]
-        started = now()
-        try:
-            response = await post_decision(client, ticket_request(rng, f"{uid}-{sequence}"), None, CLIENT_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001
-            tally.error(error_key(exc))
-            await asyncio.sleep(0.05)
-            continue
-        if response.status_code == 200:
-            tally.latencies.append(now() - started)
-        else:
-            tally.error(str(response.status_code))
+        await timed_post(client, ticket_request(rng, f"{uid}-{sequence}"), None, tally)
 
 
 async def heavy_client(client: Any, kind: str, params: dict[str, Any], alone_until: float, end: float,
