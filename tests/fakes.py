@@ -85,12 +85,18 @@ class BatchingReader(ScriptedReader):
     it began, at most `batch` of them; reads that arrive meanwhile wait for the next pass. Its
     capacity is `batch / pass_s` reads a second, whatever the machine."""
 
-    def __init__(self, tokenizer: ChatTokenizer, batch: int, pass_s: float, **options) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, batch: int, pass_s: float, report_busy: bool = False,
+                 **options) -> None:
         super().__init__(tokenizer, **options)
         self.batch, self.pass_s = batch, pass_s
+        self.report_busy = report_busy  # say how long the engine was busy, as the hf engine's `busy_ms`
         self.passes: list[int] = []  # reads answered by each pass
         self.waiting: list[tuple[Sequence[ReadSpec], asyncio.Future]] = []
         self.engine: asyncio.Task | None = None
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return {"busy_ms": 1000 * self.pass_s * len(self.passes)} if self.report_busy else {}
 
     async def read(self, specs: Sequence[ReadSpec]) -> list[ReadResult]:
         future: asyncio.Future = asyncio.get_running_loop().create_future()

@@ -135,3 +135,26 @@ def test_paced_sessions_stay_fresh_while_the_estimate_learns_the_engine(loaded):
     assert value(metrics, "djev_stream_age_before_next_seconds_count") == answered
     assert value(metrics, "djev_stream_age_before_next_seconds_bucket", le="1.5") == answered
     assert value(metrics, "djev_stream_capacity_fps") == pytest.approx(pacer.capacity)
+
+
+def test_an_engine_that_says_it_is_mostly_idle_admits_many_more_cameras_within_a_window(tokenizer):
+    """With the engine's busy time (BatchingReader reporting `busy_ms`, as the hf engine does), two
+    paced cameras on a nearly idle engine (8 frames/s for 0.01 s a pass) are enough for the estimate
+    to extrapolate: many more sessions are admitted than the prior's four, with no probing."""
+    reader = BatchingReader(tokenizer, batch=8, pass_s=0.01, report_busy=True)
+    app = create_app(Settings.of(session_window=1.0), reader)
+    with live_server(app) as url:
+        pacer = app.state.services.pacer
+        cameras = [PacedCamera(*opened(url), seconds=3.5) for _ in range(2)]
+        for camera in cameras:
+            camera.start()
+        for camera in cameras:
+            camera.join(timeout=20)
+        assert all(camera.failure is None for camera in cameras), [camera.failure for camera in cameras]
+        assert pacer.measured and pacer.capacity >= 20, (pacer.capacity, pacer.last_window)
+        more = [opened(url) for _ in range(10)]  # twelve in all, three times the prior's four
+        assert len(pacer.sessions) == 12
+        for ws, _ in more:
+            ws.close()
+        for camera in cameras:
+            camera.ws.close()
