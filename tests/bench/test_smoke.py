@@ -68,3 +68,14 @@ def test_probe_gpu_stance_tiny_runs(tmp_path):
     rows = json.loads((tmp_path / "probe.json").read_text())
     assert {row["stance"] for row in rows} == {"default", "eager_on_recompile"}
     assert all(row["timing"]["encode_many_calls"] >= 1 for row in rows)
+
+
+@pytest.mark.timeout(600)
+def test_bench_gpu_long_tiny_runs(tmp_path):
+    result = run_bench("bench_gpu_long.py", "--sizes", "200,900", "--prefill-chunk", "256", "--out-dir", str(tmp_path),
+                       out=tmp_path)
+    data = json.loads((tmp_path / "bench_gpu_long.json").read_text())
+    rows = data["in_process"]["rows"]
+    assert [row["size"] for row in rows] == [200, 900] and rows[1]["chunks"] >= 3  # 900 tokens in 256s
+    assert all(row["statuses"] == [200, 200] for row in data["served"]["rows"])
+    assert "|" in result["stdout"] and (tmp_path / "bench_gpu_long.md").exists()

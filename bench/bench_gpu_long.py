@@ -1,0 +1,233 @@
+"""Long states: the reference's long-state probe (one decision per state, cold then warm) on the hf
+engine, in process and through `djev serve`, beside naive transformers at the sizes it can run.
+
+For each size (default 8,700 / 35,000 / 110,000 prompt tokens, the reference's 8,678 / 35,133 /
+110,707): a state of about that many tokens, a one-question decision on it (a noul, samples 1), read
+cold (the state never seen: its prompt encoded in chunks of PREFILL_CHUNK tokens) and then warm (the
+same decision again: the prompt's KV from the LRU). In process the reader is built as the server
+builds it (bench/bench_gpu_served.py's `load_random`: random weights through `hf_reader`, the graphs
+captured before ready) with MAX_PROMPT_TOKENS raised to hold the largest size; each size's peak GPU
+memory above the resting memory is recorded. Through the server (`--served`, the served bench's
+server subprocess with the same settings): the same cold and warm reads over HTTP, and a steady
+ticket client's latencies while the largest cold read runs (chunks take turns with other reads).
+The naive figure is transformers' plain full read (`bench/naive.py`) at the sizes up to
+`--naive-max` tokens.
+
+    python bench/bench_gpu_long.py                        # on CUDA
+    python bench/bench_gpu_long.py --tiny --device cpu    # the CPU smoke test (sizes 300,1200,3000)
+
+Output: a markdown table (printed, and $OUT/bench_gpu_long.md) and $OUT/bench_gpu_long.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_gpu_served import load_random, spawn_server, wait_ready  # noqa: E402
+from bench.common import header, latency_summary, machine, markdown_table, percentile, write_json  # noqa: E402
+from bench.served_load import WORDS, ticket_request  # noqa: E402
+
+QUESTION = {"q": {"type": "noul", "instructions": "Does the document ask for a refund?"}}
+
+
+def state_of(tokenizer: Any, tokens: int, rng: random.Random) -> str:
+    """A document of about `tokens` tokens with the tokenizer given: enough random words, then the
+    longest run of them within `tokens` (a bisection over the word count)."""
+    words = [rng.choice(WORDS) for _ in range(tokens)]  # every word is at least one token
+    low, high = 1, len(words)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if len(tokenizer.encode(" ".join(words[:middle]))) <= tokens:
+            low = middle
+        else:
+            high = middle - 1
+    return " ".join(words[:low])
+
+
+def body_of(state: str) -> dict[str, Any]:
+    return {"state": {"document": state}, "questions": QUESTION, "samples": 1}
+
+
+async def in_process(args: argparse.Namespace, settings: Any, states: list[str]) -> dict[str, Any]:
+    import torch
+
+    from app.decisions.request import parse_decision
+    from app.web.services import Services
+
+    reader = load_random(args, settings, lambda phase, done, total: None)
+    services = Services.build(settings, reader)
+    await reader.start()
+    on_cuda = args.device.startswith("cuda")
+    rows = []
+    try:
+        for size, state in zip(args.sizes, states):
+            before = dict(reader.stats)
+            resting = torch.cuda.memory_allocated() if on_cuda else 0
+            if on_cuda:
+                torch.cuda.reset_peak_memory_stats()
+            times = []
+            for _ in range(2):  # cold, then warm
+                started = time.perf_counter()
+                outcome = await services.decider.decide(parse_decision(body_of(state), services.limits))
+                times.append(time.perf_counter() - started)
+            peak = (torch.cuda.max_memory_allocated() - resting) / 2**30 if on_cuda else 0.0
+            chunks = reader.stats.get("encoder_chunks", 0) - before.get("encoder_chunks", 0)
+            rows.append({"size": size, "prompt_tokens": outcome.input_tokens, "cold_s": round(times[0], 3),
+                         "warm_s": round(times[1], 3), "peak_over_resting_gib": round(peak, 2), "chunks": chunks})
+            print(f"  in process {size}: {rows[-1]}", flush=True)
+        naive = {}
+        if on_cuda:
+            from bench.naive import measure_naive
+
+            for size in args.sizes:
+                if size <= args.naive_max:
+                    got = measure_naive(reader.runner.model, batches=(1,), prompt_tokens=size, static_batches=(),
+                                        warmup=1, reps=3)
+                    naive[size] = got["full_read_eager"].get(1)
+    finally:
+        await reader.stop()
+    return {"rows": rows, "naive_full_read_eager_ms": naive}
+
+
+def served(args: argparse.Namespace, states: list[str], out_dir: Path) -> dict[str, Any]:
+    import httpx
+
+    os.environ["MAX_PROMPT_TOKENS"] = str(args.max_prompt_tokens)  # the server child reads it, as serve does
+    os.environ["PREFILL_CHUNK"] = str(args.prefill_chunk)
+    server = spawn_server(args, out_dir)
+    rows: list[dict[str, Any]] = []
+    steady: dict[str, Any] = {}
+    try:
+        startup = wait_ready(server, args.startup_timeout)
+        with httpx.Client(base_url=server.url, timeout=args.request_timeout) as client:
+            for index, (size, state) in enumerate(zip(args.sizes, states)):
+                state = f"{state} (served)"  # not the in-process run's prompt: cold here too
+                latencies: list[float] = []
+                stop = threading.Event()
+                steady_thread = None
+                if index == len(states) - 1:  # beside the largest cold read: a steady client
+                    steady_thread = threading.Thread(target=steady_client, args=(server.url, stop, latencies),
+                                                     daemon=True)
+                    steady_thread.start()
+                    time.sleep(1.0)
+                times, statuses = [], []
+                for _ in range(2):
+                    started = time.perf_counter()
+                    response = client.post("/v1/systemone", json=body_of(state))
+                    times.append(time.perf_counter() - started)
+                    statuses.append(response.status_code)
+                    stop.set()  # the steady client's window is the cold read
+                if steady_thread is not None:
+                    steady_thread.join(timeout=30)
+                    steady = {"requests": len(latencies), **latency_summary(latencies),
+                              "p99_ms": round(percentile([t * 1000 for t in latencies], 99), 1)} if latencies else {}
+                rows.append({"size": size, "cold_s": round(times[0], 3), "warm_s": round(times[1], 3),
+                             "statuses": statuses})
+                print(f"  served {size}: {rows[-1]}", flush=True)
+    finally:
+        server.stop()
+    return {"startup": startup, "rows": rows, "steady_beside_largest_cold": steady}
+
+
+def steady_client(url: str, stop: threading.Event, latencies: list[float]) -> None:
+    import httpx
+
+    rng = random.Random(7)
+    with httpx.Client(base_url=url, timeout=60) as client:
+        number = 0
+        while not stop.is_set():
+            number += 1
+            started = time.perf_counter()
+            response = client.post("/v1/systemone", json=ticket_request(rng, f"steady-{number}"))
+            if response.status_code == 200:
+                latencies.append(time.perf_counter() - started)
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> str:
+    naive = results["in_process"]["naive_full_read_eager_ms"]
+    served_rows = {row["size"]: row for row in results.get("served", {}).get("rows", [])}
+    table = []
+    for row in results["in_process"]["rows"]:
+        other = served_rows.get(row["size"], {})
+        base = naive.get(row["size"])
+        table.append([row["size"], row["prompt_tokens"], row["chunks"], row["cold_s"], row["warm_s"],
+                      row["peak_over_resting_gib"], other.get("cold_s", "-"), other.get("warm_s", "-"),
+                      f"{base / 1000:.3f}" if base else "-"])
+    text = header("bench_gpu_long: long states, cold then warm", machine())
+    text += "\n" + markdown_table(["state tokens", "prompt tokens", "chunks", "cold s", "warm s",
+                                   "peak GiB over resting", "served cold s", "served warm s",
+                                   "naive full read s"], table)
+    steady = results.get("served", {}).get("steady_beside_largest_cold")
+    if steady:
+        text += (f"\nsteady ticket client beside the largest cold read: {steady['requests']} answers, p50 "
+                 f"{steady['p50_ms']:.0f} ms, p99 {steady['p99_ms']:.0f} ms, max {steady['max_ms']:.0f} ms\n")
+    return text
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="the tiny config on the CPU (a smoke test)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--sizes", default=None, help="state tokens, comma-separated (default 8700,35000,110000; "
+                        "--tiny 300,1200,3000)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="PREFILL_CHUNK for both runs "
+                        "(default: the server's)")
+    parser.add_argument("--naive-max", type=int, default=8700, help="naive full reads up to this many tokens")
+    parser.add_argument("--served", action=argparse.BooleanOptionalAction, default=True,
+                        help="also through the server (default on)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--out-dir", default=os.environ.get("OUT") or ".")
+    args = parser.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.sizes = [int(part) for part in (args.sizes or ("300,1200,3000" if args.tiny else "8700,35000,110000"))
+                  .split(",") if part.strip()]
+    args.max_prompt_tokens = max(32768, -(-(max(args.sizes) + 2048) // 1024) * 1024)
+    if args.prefill_chunk is None:
+        from app.config import Settings
+
+        args.prefill_chunk = Settings.of().hf.prefill_chunk
+    on_cuda = args.device.startswith("cuda")
+    args.compile = args.fused_moe = args.cuda_graphs = on_cuda  # the server's defaults on CUDA
+    args.port = 0
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from app.config import Settings
+    from app.engine.tiny import build_tokenizer
+
+    args = parse_args(argv)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()  # the one load_random serves with
+    rng = random.Random(11)
+    states = [state_of(tokenizer, size, rng) for size in args.sizes]
+    settings = Settings.from_env(device=args.device, max_prompt_tokens=args.max_prompt_tokens,
+                                 prefill_chunk=args.prefill_chunk, torch_compile=args.compile,
+                                 fused_moe=args.fused_moe, cuda_graphs=args.cuda_graphs)
+    results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}}
+    results["in_process"] = asyncio.run(in_process(args, settings, states))
+    if args.served:
+        results["served"] = served(args, states, out_dir)
+    text = report(results, args)
+    print(text, flush=True)
+    (out_dir / "bench_gpu_long.md").write_text(text)
+    write_json(out_dir / "bench_gpu_long.json", results)
+
+
+if __name__ == "__main__":
+    main()
