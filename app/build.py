@@ -114,7 +114,7 @@ def remote_options(settings: Settings, served_name: str, tiny: bool):
         connect_timeout=settings.remote.upstream_connect_timeout,
         read_timeout=settings.remote.upstream_read_timeout,
         health_interval=settings.remote.upstream_health_interval,
-        max_prompt_tokens=settings.limits.max_prompt_tokens,
+        max_prompt_tokens=prompt_limit(settings),
         served_name=served_name,
         canvas_length=settings.decisions.canvas,
         tiny=tiny,
@@ -136,7 +136,7 @@ def vllm_options(settings: Settings, served_name: str, tiny: bool):
         extra_args=settings.vllm.extra_args,
         cache_dir=settings.runtime.cache_dir,
         torch_mem_fraction=settings.vllm.torch_mem_fraction,
-        max_prompt_tokens=settings.limits.max_prompt_tokens,
+        max_prompt_tokens=prompt_limit(settings),
         served_name=served_name,
         tiny=tiny,
     )
@@ -221,12 +221,27 @@ def limits(settings: Settings) -> Limits:
     )
 
 
-def read_settings(settings: Settings) -> ReadSettings:
-    """How the decision core reads, from Settings."""
+# MAX_PROMPT_TOKENS=0 (the default): the engine's own limit; these where the engine says none.
+DEFAULT_PROMPT_TOKENS = 32768
+CUDA_PROMPT_TOKENS = 131072
+
+
+def prompt_limit(settings: Settings, info: ReaderInfo | None = None) -> int:
+    """The longest prompt a read may have: MAX_PROMPT_TOKENS where set, else the engine's (the hf
+    engine sizes it to the GPU's free memory at start), else DEFAULT_PROMPT_TOKENS."""
+    if settings.limits.max_prompt_tokens:
+        return settings.limits.max_prompt_tokens
+    if info is not None and info.max_prompt_tokens:
+        return info.max_prompt_tokens
+    return DEFAULT_PROMPT_TOKENS
+
+
+def read_settings(settings: Settings, info: ReaderInfo | None = None) -> ReadSettings:
+    """How the decision core reads, from Settings (and the engine's prompt limit, `prompt_limit`)."""
     return ReadSettings(
         canvas_length=settings.decisions.canvas,
         canvas_step=settings.decisions.canvas_step,
         thought_in_prompt=settings.decisions.thought_placement == "prompt",
-        max_prompt_tokens=settings.limits.max_prompt_tokens,
+        max_prompt_tokens=prompt_limit(settings, info),
         max_thought_tokens=settings.limits.max_thought_tokens,
     )

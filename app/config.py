@@ -113,7 +113,9 @@ class LimitSettings:
     max_total_image_bytes: int = field(default=24 * 1024 * 1024, metadata=_meta(
         "MAX_TOTAL_IMAGE_BYTES", "bytes of all images of a request"))
     max_image_pixels: int = field(default=40_000_000, metadata=_meta("MAX_IMAGE_PIXELS", "pixels per image"))
-    max_prompt_tokens: int = field(default=32768, metadata=_meta("MAX_PROMPT_TOKENS", "prompt tokens per read"))
+    max_prompt_tokens: int = field(default=0, metadata=_meta(
+        "MAX_PROMPT_TOKENS", "prompt tokens per read; 0 = the engine's: 131072 on CUDA where the free memory allows "
+        "it (checked at start, lowered with a warning), else 32768"))
     max_inflight: int = field(default=256, metadata=_meta(
         "MAX_INFLIGHT", "decisions at once; more get 529 with Retry-After"))
     max_inflight_cost: int = field(default=16384, metadata=_meta(
@@ -126,7 +128,7 @@ class LimitSettings:
     def problems(self) -> list[str]:
         problems = []
         for f in fields(self):
-            if f.name in ("max_think", "max_thought_tokens"):
+            if f.name in ("max_think", "max_thought_tokens", "max_prompt_tokens"):
                 if getattr(self, f.name) < 0:
                     problems.append(f"{f.metadata['env']} must be at least 0")
             elif f.name != "request_timeout" and getattr(self, f.name) < 1:

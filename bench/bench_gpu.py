@@ -161,6 +161,7 @@ def timed(call: Callable[[], Any], warmup: int, reps: int, runner: Any, sync: Ca
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from app.build import prompt_limit
     from app.config import Settings
     from app.engine.hf.runner import DiffusionRunner
 
@@ -181,7 +182,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if on_cuda and args.naive else {}
 
     def runner(kv_entries: int, graphs: bool) -> Any:
-        return DiffusionRunner(model, None, device=device, max_prompt_tokens=server.limits.max_prompt_tokens,
+        return DiffusionRunner(model, None, device=device, max_prompt_tokens=prompt_limit(server),
                                kv_entries=kv_entries, max_rows=server.hf.max_batch_rows, cuda_graphs=graphs)
 
     specs = Specs(int(model.config.text_config.vocab_size), args.prompt_tokens)

@@ -106,7 +106,7 @@ def build_reader(args: argparse.Namespace) -> Any:
         Gemma4ImageProcessorPil,
     )
 
-    from app.build import hf_options
+    from app.build import hf_options, prompt_limit
     from app.config import Settings
     from app.engine.base import ReaderInfo
     from app.engine.hf.reader import HFReader
@@ -132,7 +132,7 @@ def build_reader(args: argparse.Namespace) -> Any:
     model = build_model(config, args.device, torch.bfloat16 if on_cuda else torch.float32, experts)
     settings = Settings.of(device=args.device, torch_compile=args.compile, fused_moe=args.fused_moe)
     options = hf_options(settings, "random-26B-A4B" if not args.tiny else "tiny", tiny=args.tiny)
-    runner = DiffusionRunner(model, image_processor, device=device, max_prompt_tokens=settings.limits.max_prompt_tokens,
+    runner = DiffusionRunner(model, image_processor, device=device, max_prompt_tokens=prompt_limit(settings),
                              kv_entries=settings.hf.kv_cache_entries, max_rows=settings.hf.max_batch_rows,
                              cuda_graphs=not args.eager)
     tokenizer = HFChatTokenizer(hf_tokenizer, vocab_size=int(config.text_config.vocab_size),

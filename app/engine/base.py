@@ -208,6 +208,7 @@ class ReaderInfo:
     tiny: bool  # the tiny random-weight model: answers are random
     canvas_length: int
     checkpoint: str = ""
+    max_prompt_tokens: int = 0  # the longest prompt this engine reads (0: not said)
 
 
 class EngineError(Exception):

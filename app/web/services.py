@@ -98,7 +98,8 @@ class Services:
 
     def _new_decider(self, reader: Reader) -> Decider:
         # The decider plans in the same bounded pool as parsing and validation.
-        return Decider(reader, read_settings(self.settings), offload=functools.partial(_offload_in, self.workers))
+        return Decider(reader, read_settings(self.settings, reader.info),
+                       offload=functools.partial(_offload_in, self.workers))
 
     async def prepare(self, fn: Callable[..., T], body_bytes: int, *args: Any) -> T:
         """`fn(*args)` for a request body of `body_bytes`: inline for a small plain body (its work is

@@ -91,11 +91,12 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
     tokenizer = HFChatTokenizer(
         hf_tokenizer, vocab_size=int(text_config(model).vocab_size), image_token_id=int(image_token_id)
     )
+    max_prompt_tokens = prompt_limit(model, device, options.max_prompt_tokens)
     runner = DiffusionRunner(
         model,
         image_processor,
         device=device,
-        max_prompt_tokens=options.max_prompt_tokens,
+        max_prompt_tokens=max_prompt_tokens,
         kv_entries=options.kv_cache_entries,
         max_rows=options.max_batch_rows,
         generation=_generation_settings(model),
@@ -133,8 +134,63 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         tiny=options.tiny,
         canvas_length=options.canvas_length,
         checkpoint=checkpoint,
+        max_prompt_tokens=max_prompt_tokens,
     )
     return HFReader(runner, tokenizer, info, options)
+
+
+# MAX_PROMPT_TOKENS=0: this many on CUDA where the free memory allows, else the CPU's.
+CUDA_PROMPT_TOKENS = 131072
+CPU_PROMPT_TOKENS = 32768
+# A long prompt's encoding holds its KV twice at the end (the cache and the reader's copy), plus
+# a chunk's activations: it needs this much more than its KV.
+LONG_PROMPT_MARGIN = 2.5
+
+
+def prompt_kv_bytes(model: DiffusionGemmaForBlockDiffusion, tokens: int) -> int:
+    """The bytes one prompt of `tokens` tokens holds as KV: every full-attention layer all of it,
+    every sliding-window layer its window."""
+    from app.engine.hf.parts import encoder_layers, layer_types, text_config
+
+    window = int(getattr(text_config(model), "sliding_window", None) or tokens)
+    element = next(model.parameters()).element_size()
+    total = 0
+    for layer, kind in zip(encoder_layers(model), layer_types(model)):
+        attention = layer.self_attn
+        per_token = 2 * attention.k_proj.out_features * element  # keys and values: heads x head dim
+        total += per_token * (min(tokens, window - 1) if kind == "sliding_attention" else tokens)
+    return total
+
+
+def prompt_limit(model: DiffusionGemmaForBlockDiffusion, device: Any, requested: int,
+                 free_bytes: int | None = None) -> int:
+    """The longest prompt this engine reads. `requested` (MAX_PROMPT_TOKENS) where set, with a
+    warning on CUDA when the free memory cannot hold its encoding; 0: CUDA_PROMPT_TOKENS on CUDA,
+    halved (with a warning) until its encoding fits the free memory, never below CPU_PROMPT_TOKENS,
+    and CPU_PROMPT_TOKENS on the CPU. `free_bytes` stands in for the device's (tests)."""
+    import torch
+
+    on_cuda = getattr(device, "type", str(device)) == "cuda"
+    if not on_cuda and free_bytes is None:
+        return requested or CPU_PROMPT_TOKENS
+    free = free_bytes if free_bytes is not None else torch.cuda.mem_get_info(device)[0]
+
+    def fits(tokens: int) -> bool:
+        return LONG_PROMPT_MARGIN * prompt_kv_bytes(model, tokens) + GRAPH_RESERVE_BYTES <= free
+
+    if requested:
+        if not fits(requested):
+            log.warning("MAX_PROMPT_TOKENS %d: a prompt that long needs about %.1f GiB and %.1f GiB are free; "
+                        "such a read may fail with a 503", requested,
+                        LONG_PROMPT_MARGIN * prompt_kv_bytes(model, requested) / 2**30, free / 2**30)
+        return requested
+    limit = CUDA_PROMPT_TOKENS
+    while limit > CPU_PROMPT_TOKENS and not fits(limit):
+        limit //= 2
+    if limit < CUDA_PROMPT_TOKENS:
+        log.warning("prompts up to %d tokens, not %d: the free GPU memory (%.1f GiB) cannot hold a longer one's "
+                    "encoding (set MAX_PROMPT_TOKENS to choose)", limit, CUDA_PROMPT_TOKENS, free / 2**30)
+    return limit
 
 
 # GPU memory the graph capture leaves free for requests (eager passes, the prompt LRUs, a long

@@ -59,7 +59,7 @@ class HFOptions:
     """What the hf engine is told; built from Settings by `app.build.hf_options` (defaults live there)."""
 
     device: str  # "auto", "cpu", "cuda", "cuda:1", ...
-    max_prompt_tokens: int
+    max_prompt_tokens: int  # 0: sized at start (`app.engine.hf.loader.prompt_limit`)
     kv_cache_entries: int
     max_batch_rows: int
     gather_ms: float  # the most a read batch waits for more reads before it starts (0 = not at all)

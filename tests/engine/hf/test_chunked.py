@@ -129,3 +129,37 @@ def test_long_states_kv_is_kept_within_prompt_cache_gb(tiny_dir, tokenizer):
         run_steps(runner.encode_steps(prompt))
     assert runner.prompts.bytes <= 2.5 * one and len(runner.prompts) == 2
     assert prompts[3].cache_key in runner.prompts and prompts[0].cache_key not in runner.prompts
+
+
+def test_the_prompt_limit_is_sized_to_the_free_memory_on_cuda_and_32768_elsewhere(tiny_dir, caplog):
+    import logging
+
+    from app.engine.hf.loader import GRAPH_RESERVE_BYTES, LONG_PROMPT_MARGIN, prompt_kv_bytes, prompt_limit
+
+    model = make_tiny_reader(tiny_dir).runner.model
+    cpu = torch.device("cpu")
+    assert prompt_limit(model, cpu, 0) == 32768 and prompt_limit(model, cpu, 5000) == 5000
+    assert prompt_kv_bytes(model, 4000) < 2 * prompt_kv_bytes(model, 2000)  # the sliding layers keep a window
+    plenty = 200 * 2**30
+    assert prompt_limit(model, cpu, 0, free_bytes=plenty) == 131072
+    just = GRAPH_RESERVE_BYTES + round(LONG_PROMPT_MARGIN * prompt_kv_bytes(model, 65536)) + 1
+    with caplog.at_level(logging.WARNING, logger="djev.engine"):
+        assert prompt_limit(model, cpu, 0, free_bytes=just) == 65536
+    assert "prompts up to 65536 tokens, not 131072" in caplog.text
+    assert prompt_limit(model, cpu, 0, free_bytes=2**30) == 32768  # never below the CPU's
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="djev.engine"):
+        assert prompt_limit(model, cpu, 131072, free_bytes=2**30) == 131072  # set: kept, and said
+    assert "such a read may fail with a 503" in caplog.text
+
+
+def test_the_decision_core_reads_the_engines_prompt_limit_unless_one_is_set():
+    from app.build import prompt_limit, read_settings
+    from app.config import Settings
+    from app.engine.base import ReaderInfo
+
+    info = ReaderInfo(model="m", engine="hf", device="cuda", tiny=False, canvas_length=128, max_prompt_tokens=131072)
+    assert read_settings(Settings.of(), info).max_prompt_tokens == 131072
+    assert read_settings(Settings.of()).max_prompt_tokens == 32768  # the engine says nothing
+    assert read_settings(Settings.of(max_prompt_tokens=9000), info).max_prompt_tokens == 9000
+    assert prompt_limit(Settings.of(max_prompt_tokens=9000), info) == 9000

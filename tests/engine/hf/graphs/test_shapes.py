@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from app.build import prompt_limit
 from app.config import Settings
 from app.engine.hf.graphs.cache import GraphCache
 from app.engine.hf.graphs.shapes import EAGER_STEP, ShapePolicy, bucket_of, doubling
@@ -19,7 +20,7 @@ from tests.engine.hf.test_reader import spec_for
 
 def policy_of(settings: Settings, sliding_window: int = 1024) -> ShapePolicy:
     return ShapePolicy(max_rows=settings.hf.max_batch_rows, canvas=settings.decisions.canvas,
-                       canvas_step=settings.decisions.canvas_step, max_prompt_tokens=settings.limits.max_prompt_tokens,
+                       canvas_step=settings.decisions.canvas_step, max_prompt_tokens=prompt_limit(settings),
                        sliding_window=sliding_window, max_images=settings.limits.max_images)
 
 
@@ -44,7 +45,7 @@ def test_every_decoder_shape_maps_to_a_captured_key_that_holds_it_or_to_the_fall
     policy = policy_of(settings)
     captured = set(policy.decoder_keys())
     widths = range(settings.decisions.canvas_step, settings.decisions.canvas + 1, settings.decisions.canvas_step)
-    lengths = sorted({1, 255, 256, 257, 1023, 1024, 1025, 5000, settings.limits.max_prompt_tokens})
+    lengths = sorted({1, 255, 256, 257, 1023, 1024, 1025, 5000, prompt_limit(settings)})
     for rows in range(1, settings.hf.max_batch_rows + 1):
         for width in widths:
             for length in lengths:
