@@ -91,7 +91,7 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
     tokenizer = HFChatTokenizer(
         hf_tokenizer, vocab_size=int(text_config(model).vocab_size), image_token_id=int(image_token_id)
     )
-    max_prompt_tokens = prompt_limit(model, device, options.max_prompt_tokens)
+    max_prompt_tokens = sized_prompt_limit(model, device, options.max_prompt_tokens)
     runner = DiffusionRunner(
         model,
         image_processor,
@@ -162,7 +162,7 @@ def prompt_kv_bytes(model: DiffusionGemmaForBlockDiffusion, tokens: int) -> int:
     return total
 
 
-def prompt_limit(model: DiffusionGemmaForBlockDiffusion, device: Any, requested: int,
+def sized_prompt_limit(model: DiffusionGemmaForBlockDiffusion, device: Any, requested: int,
                  free_bytes: int | None = None) -> int:
     """The longest prompt this engine reads. `requested` (MAX_PROMPT_TOKENS) where set, with a
     warning on CUDA when the free memory cannot hold its encoding; 0: CUDA_PROMPT_TOKENS on CUDA,

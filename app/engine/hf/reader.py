@@ -59,7 +59,7 @@ class HFOptions:
     """What the hf engine is told; built from Settings by `app.build.hf_options` (defaults live there)."""
 
     device: str  # "auto", "cpu", "cuda", "cuda:1", ...
-    max_prompt_tokens: int  # 0: sized at start (`app.engine.hf.loader.prompt_limit`)
+    max_prompt_tokens: int  # 0: sized at start (`app.engine.hf.loader.sized_prompt_limit`)
     kv_cache_entries: int
     max_batch_rows: int
     gather_ms: float  # the most a read batch waits for more reads before it starts (0 = not at all)
@@ -87,23 +87,12 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def built_count(runner: DiffusionRunner) -> int:
-    """CUDA graphs the runner has captured plus graphs torch.compile has built, so far: both leave
-    long-lived objects behind (hundreds of thousands for a compile), which `settle_heap` should set
-    aside again, or every full pass of the collector walks them (150-200 ms pauses measured on the
-    H200 after the levels of a load compiled new shapes: docs/benchmarks.md)."""
-    total = 0
-    for name in ("graphs", "encoder_graphs", "vision_graphs"):
-        total += getattr(getattr(runner, name, None), "captures", 0)
-    dynamo = sys.modules.get("torch._dynamo.utils")
-    if dynamo is not None:
-        total += int(dynamo.counters["stats"].get("unique_graphs", 0))
-    return total
-
-
 def compile_counts(runner: DiffusionRunner) -> tuple[int, int, int]:
     """(CUDA graphs captured, graphs torch.compile has built, Triton kernels compiled) so far: after
-    `ready` none of them should grow (`HFReader` counts any that does, and the seconds of its pass)."""
+    `ready` none of them should grow (`HFReader` counts any that does, and the seconds of its pass).
+    The first two leave long-lived objects behind (hundreds of thousands for a compile), which
+    `settle_heap` should set aside again, or every full pass of the collector walks them (150-200 ms
+    pauses measured on the H200 after the levels of a load compiled new shapes: docs/benchmarks.md)."""
     captures = sum(getattr(getattr(runner, name, None), "captures", 0)
                    for name in ("graphs", "encoder_graphs", "vision_graphs"))
     dynamo = sys.modules.get("torch._dynamo.utils")
@@ -213,7 +202,6 @@ class HFReader:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._busy = False  # the last read batch served several callers, or more were waiting
         self._last_rows = 0  # canvases in the last read batch: the callers likely to come back under load
-        self._built = built_count(runner)  # graphs captured and compiled when the heap was last settled
         self._compiled = compile_counts(runner)  # as of `start` (ready), then of the last pass
         self._image_executor: ThreadPoolExecutor | None = None
         self._images_held = 0  # preprocessed images reserved or riding with queued jobs
@@ -479,18 +467,17 @@ class HFReader:
         anything, set the heap aside again."""
         self.runner.stats["busy_ms"] += round(seconds * 1000)  # the engine thread's work (camera pacing)
         counts = compile_counts(self.runner)
-        if counts != self._compiled:
-            for name, now, before in zip(AFTER_READY, counts, self._compiled):
-                if now > before:
-                    self.runner.stats[name] += now - before
-                    self.runner.stats[name + "_ms"] += round(seconds * 1000)
-            log.warning("a pass captured or compiled after ready (%s -> %s, %.2f s)", self._compiled, counts, seconds)
-            self._compiled = counts
-        built = built_count(self.runner)
-        if built != self._built:
-            self._built = built
+        if counts == self._compiled:
+            return
+        for name, now, before in zip(AFTER_READY, counts, self._compiled):
+            if now > before:
+                self.runner.stats[name] += now - before
+                self.runner.stats[name + "_ms"] += round(seconds * 1000)
+        log.warning("a pass captured or compiled after ready (%s -> %s, %.2f s)", self._compiled, counts, seconds)
+        if counts[:2] != self._compiled[:2]:  # new graphs or compiled code: long-lived objects
             settle_heap()
-            log.info("new graphs built (%d so far): the heap set aside from the collector's passes again", built)
+            log.info("new graphs built: the heap set aside from the collector's passes again")
+        self._compiled = counts
 
     async def _read_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_ReadJob]) -> None:
         self._busy = len(batch) > 1 or bool(self._queue)

@@ -132,15 +132,12 @@ class DecoderGraphs:
         self.policy = policy
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.cache: GraphCache[DecoderKey, _Graph] = GraphCache("decoder", self._build, self.stats)
+        self.captures = 0  # graphs captured (CUDA graphs; 0 on the static path)
         self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self.vocab = int(text_config(model).vocab_size)
         self._storage: dict[str, torch.Tensor] = {}
         for layer in decoder_layers(model):
             append_in_place(layer.self_attn)
-
-    @property
-    def captures(self) -> int:
-        return sum(1 for graph in self.cache.graphs() if graph.graph is not None)
 
     def key(self, rows: Sequence[Row], conditioning: torch.Tensor | None = None) -> DecoderKey | None:
         width = max(len(canvas) for _, canvas in rows)
@@ -221,6 +218,7 @@ class DecoderGraphs:
         if self.capture:
             before = torch.cuda.memory_allocated(self.device)
             graph.graph, output = capture(lambda: self._forward(graph), self.pool, self.device)
+            self.captures += 1
             assert isinstance(output, torch.Tensor)
             graph.output = output
             graph.memory = torch.cuda.memory_allocated(self.device) - before

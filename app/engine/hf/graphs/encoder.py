@@ -133,15 +133,12 @@ class EncoderGraphs:
         self.policy = policy
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.cache: GraphCache[EncoderKey, _Graph] = GraphCache("encoder", self._build, self.stats)
+        self.captures = 0  # graphs captured (CUDA graphs; 0 on the static path)
         self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self.last_graphed = False  # whether the last pass was a replay (else unbucketed, eager)
         self._storage: dict[str, torch.Tensor] = {}  # flat buffers every graph's static tensors view
         # A shared prefix's length, read by every graph at replay (graphs never run at once).
         self.prefix_length = torch.zeros(1, dtype=torch.long, device=device)
-
-    @property
-    def captures(self) -> int:
-        return sum(1 for graph in self.cache.graphs() if graph.graph is not None)
 
     @property
     def buffers(self) -> Mapping[str, torch.Tensor]:
@@ -281,6 +278,7 @@ class EncoderGraphs:
         if self.capture and self.graphed(key):
             before = torch.cuda.memory_allocated(self.device)
             graph.graph, _ = capture(lambda: self._forward(graph), self.pool, self.device)
+            self.captures += 1
             graph.memory = torch.cuda.memory_allocated(self.device) - before
             log.debug("captured the encoder pass for %d rows x %d tokens after %d prefix slots (%.0f MiB)", batch,
                       length, slots, graph.memory / 2**20)

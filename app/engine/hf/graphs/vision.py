@@ -53,12 +53,9 @@ class VisionGraphs:
         self.capture = capture
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.cache: GraphCache[VisionKey, _Graph] = GraphCache("vision", self._build, self.stats)
+        self.captures = 0  # graphs captured (CUDA graphs; 0 on the static path)
         self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self._sample: tuple[torch.Tensor, torch.Tensor] | None = None  # the inputs a build loads first
-
-    @property
-    def captures(self) -> int:
-        return sum(1 for graph in self.cache.graphs() if graph.graph is not None)
 
     def key(self, pixel_values: torch.Tensor) -> VisionKey | None:
         bucket = bucket_of(int(pixel_values.shape[0]), self.buckets)
@@ -118,6 +115,7 @@ class VisionGraphs:
         self._load(graph, pixel_values, positions)
         if self.capture:
             graph.graph, outputs = capture(lambda: self._forward(graph), self.pool, self.device)
+            self.captures += 1
             assert isinstance(outputs, tuple)
             graph.features, graph.valid = outputs
         return graph
