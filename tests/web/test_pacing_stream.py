@@ -70,6 +70,17 @@ class PacedCamera(threading.Thread):
             self.failure = exc
 
 
+def run_cameras(url: str, count: int, seconds: float) -> list[PacedCamera]:
+    """`count` paced cameras run together for `seconds`, each without a failure; their sockets open."""
+    cameras = [PacedCamera(*opened(url), seconds=seconds) for _ in range(count)]
+    for camera in cameras:
+        camera.start()
+    for camera in cameras:
+        camera.join(timeout=20)
+    assert all(camera.failure is None for camera in cameras), [camera.failure for camera in cameras]
+    return cameras
+
+
 def test_one_session_past_the_capacity_is_refused_at_open_and_the_pace_rises_with_load(loaded):
     url, pacer, _ = loaded
     sessions = [opened(url) for _ in range(4)]
@@ -102,12 +113,7 @@ def test_one_session_past_the_capacity_is_refused_at_open_and_the_pace_rises_wit
 
 def test_paced_sessions_stay_fresh_while_the_estimate_learns_the_engine(loaded):
     url, pacer, reader = loaded
-    cameras = [PacedCamera(*opened(url), seconds=6.0) for _ in range(4)]
-    for camera in cameras:
-        camera.start()
-    for camera in cameras:
-        camera.join(timeout=20)
-    assert all(camera.failure is None for camera in cameras), [camera.failure for camera in cameras]
+    cameras = run_cameras(url, 4, seconds=6.0)
     # Every answer the four got, their next_frame_ms included, was fresh enough to walk with.
     ages = [(r["timing"]["total_ms"] + r["next_frame_ms"]) / 1000 for camera in cameras for r in camera.results]
     assert max(ages) < FRESH_S, sorted(ages)[-5:]
@@ -145,12 +151,7 @@ def test_an_engine_that_says_it_is_mostly_idle_admits_many_more_cameras_within_a
     app = create_app(Settings.of(session_window=1.0), reader)
     with live_server(app) as url:
         pacer = app.state.services.pacer
-        cameras = [PacedCamera(*opened(url), seconds=3.5) for _ in range(2)]
-        for camera in cameras:
-            camera.start()
-        for camera in cameras:
-            camera.join(timeout=20)
-        assert all(camera.failure is None for camera in cameras), [camera.failure for camera in cameras]
+        cameras = run_cameras(url, 2, seconds=3.5)
         assert pacer.measured and pacer.capacity >= 20, (pacer.capacity, pacer.last_window)
         more = [opened(url) for _ in range(10)]  # twelve in all, three times the prior's four
         assert len(pacer.sessions) == 12

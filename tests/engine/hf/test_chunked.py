@@ -134,7 +134,8 @@ def test_long_states_kv_is_kept_within_prompt_cache_gb(tiny_dir, tokenizer):
 def test_the_prompt_limit_is_sized_to_the_free_memory_on_cuda_and_32768_elsewhere(tiny_dir, caplog):
     import logging
 
-    from app.engine.hf.loader import GRAPH_RESERVE_BYTES, LONG_PROMPT_MARGIN, prompt_kv_bytes, prompt_limit
+    from app.engine.hf.loader import GRAPH_RESERVE_BYTES, LONG_PROMPT_MARGIN, prompt_kv_bytes
+    from app.engine.hf.loader import sized_prompt_limit as prompt_limit
 
     model = make_tiny_reader(tiny_dir).runner.model
     cpu = torch.device("cpu")
