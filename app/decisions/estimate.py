@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from app.decisions.questions import Question, entropy, softmax, top_index
 from app.engine.base import ReadResult
@@ -37,6 +37,28 @@ class QuestionEstimate:
         return out
 
 
+# A change to one read's renormalised label distribution before the draws are averaged (the label
+# prior divided out, a fitted calibration): the question as shown on the canvas, the distribution in
+# its shown order; returns a distribution over the same labels. `samples: "auto"` decides on the raw one.
+Adjust = Callable[[Question, list[float]], list[float]]
+
+
+def chain(*steps: Adjust | None) -> Adjust | None:
+    """The adjustments given, applied in order; None when there are none."""
+    present = [step for step in steps if step is not None]
+    if not present:
+        return None
+    if len(present) == 1:
+        return present[0]
+
+    def adjusted(question: Question, probs: list[float]) -> list[float]:
+        for step in present:
+            probs = step(question, probs)
+        return probs
+
+    return adjusted
+
+
 def first_read_entropies(questions: Sequence[Question], result: ReadResult) -> dict[str, float]:
     """The entropy of each question's renormalised label distribution in the first draw (`auto`
     re-reads when any is above its threshold)."""
@@ -45,11 +67,14 @@ def first_read_entropies(questions: Sequence[Question], result: ReadResult) -> d
 
 def estimate(
     questions: Sequence[Question], results: Sequence[ReadResult], slots: Sequence[int],
-    label_ids: Sequence[Sequence[int]],
+    label_ids: Sequence[Sequence[int]], adjust: Adjust | None = None,
 ) -> tuple[dict[str, QuestionEstimate], list[dict]]:
     """Per question its estimate; per draw the top alternative of every question
-    ({qid: [name, p, entropy]}, what `diagnostics.samples.tops` lists)."""
+    ({qid: [name, p, entropy]}, what `diagnostics.samples.tops` lists). `adjust`, when given, changes
+    every draw's distribution before anything is taken from it."""
     draws = [[softmax(slot.label_logprobs) for slot in canvas] for result in results for canvas in result.slots]
+    if adjust is not None:
+        draws = [[adjust(q, probs) for q, probs in zip(questions, draw)] for draw in draws]
     first = results[0].slots[0]
     n = len(draws)
     tops: list[dict] = [{} for _ in range(n)]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 from app.decisions.canvas import Canvas, draw_seeds, noised
-from app.decisions.estimate import estimate, first_read_entropies
+from app.decisions.estimate import Adjust, chain, estimate, first_read_entropies
 from app.decisions.outcome import GroupResult
 from app.decisions.questions import Question
 from app.decisions.request import Samples
@@ -49,6 +49,7 @@ class Draws:
     seed: int  # the request's seed
     steps: int  # denoise steps per read
     vocab_size: int
+    adjust: Adjust | None = None  # every read's adjustment (a fitted calibration), after the group's own
 
     def spec(self, prompt: Prompt, canvas: Canvas, draws: range) -> ReadSpec:
         seeds = draw_seeds(self.seed, canvas, draws)
@@ -60,9 +61,11 @@ class Draws:
         check_result(spec, results)
         return results
 
-    async def read(self, questions: list[Question], canvas: Canvas, prompt: Prompt, policy: Samples) -> GroupResult:
+    async def read(self, questions: list[Question], canvas: Canvas, prompt: Prompt, policy: Samples,
+                   adjust: Adjust | None = None) -> GroupResult:
         """The group's draws: `samples` fixed, or `auto`: one read, and the rest only when a
-        question's renormalised label distribution is unsure (entropy above the threshold)."""
+        question's renormalised label distribution is unsure (entropy above the threshold). `adjust`
+        is the group's own change to each read (a label prior), applied before `self.adjust`."""
         extended: bool | None = None
         first_entropy: dict[str, float] | None = None
         if policy.mode == "fixed":
@@ -75,7 +78,8 @@ class Draws:
             if extended:
                 more = await self.offload(self.spec, prompt, canvas, range(1, policy.count))
                 results += await self.checked_read(more)
-        estimates, tops = await self.offload(estimate, questions, results, canvas.slots, canvas.label_ids)
+        estimates, tops = await self.offload(estimate, questions, results, canvas.slots, canvas.label_ids,
+                                             chain(adjust, self.adjust))
         return GroupResult(
             questions=tuple(questions),
             index=0,

@@ -466,3 +466,22 @@ def test_isolate_with_a_shared_sheet_keeps_each_question_its_number(scripted, to
         assert "Question q1:" in sheet and "Question q3:" in sheet  # every question listed
     canvases = sorted(text(tokenizer, spec.canvases[0])[:3] for spec in scripted.reads)
     assert canvases == ["q1:", "q2:", "q3:"]  # and each canvas answers under its own number
+
+
+def test_estimate_applies_the_adjustment_to_every_draw_before_averaging():
+    from app.decisions.estimate import chain, estimate
+    from app.decisions.questions import CHOICE, Alternative, Question
+    from app.engine.base import ReadResult, SlotRead
+
+    question = Question("q", 1, CHOICE, "pick", (Alternative("a", None), Alternative("b", None)))
+    draws = [[math.log(0.8), math.log(0.2)], [math.log(0.6), math.log(0.4)]]
+    result = ReadResult(tuple((SlotRead(tuple(lp), 0),) for lp in draws), 10)
+    flip = lambda q, probs: list(reversed(probs))  # noqa: E731
+    halve = lambda q, probs: [probs[0] / 2, 1 - probs[0] / 2]  # noqa: E731
+    plain, _ = estimate([question], [result], [0], [[1, 2]])
+    flipped, tops = estimate([question], [result], [0], [[1, 2]], chain(flip, None, halve))
+    assert plain["q"].probs == pytest.approx((0.7, 0.3))
+    # each draw flipped (0.2, 0.8), (0.4, 0.6), then halved: (0.1, 0.9), (0.2, 0.8); the mean after
+    assert flipped["q"].probs == pytest.approx((0.15, 0.85))
+    assert [t["q"][0] for t in tops] == ["b", "b"]
+    assert chain(None, None) is None and chain(flip) is flip
