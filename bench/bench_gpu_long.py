@@ -58,13 +58,16 @@ def body_of(state: str) -> dict[str, Any]:
     return {"state": {"document": state}, "questions": QUESTION, "samples": 1}
 
 
-async def in_process(args: argparse.Namespace, settings: Any, states: list[str], prime: str) -> dict[str, Any]:
+async def in_process(args: argparse.Namespace, settings: Any, states: list[str], prime: str,
+                     sweep_states: list[str]) -> dict[str, Any]:
     import torch
 
     from app.decisions.request import parse_decision
     from app.web.services import Services
 
+    started = time.perf_counter()
     reader = load_random(args, settings, lambda phase, done, total: None)
+    load_s = round(time.perf_counter() - started, 1)
     services = Services.build(settings, reader)
     await reader.start()
     on_cuda = args.device.startswith("cuda")
@@ -77,6 +80,15 @@ async def in_process(args: argparse.Namespace, settings: Any, states: list[str],
         await services.decider.decide(parse_decision(body_of(prime), services.limits))
         prime_s = round(time.perf_counter() - started, 3)
         print(f"  in process prime ({len(prime.split())} words): {prime_s} s", flush=True)
+        sweep = []
+        for chunk, state in zip(args.chunk_sweep, sweep_states):  # the chunk size, by measurement
+            reader.runner.prefill_chunk = chunk
+            started = time.perf_counter()
+            outcome = await services.decider.decide(parse_decision(body_of(state), services.limits))
+            sweep.append({"prefill_chunk": chunk, "prompt_tokens": outcome.input_tokens,
+                          "cold_s": round(time.perf_counter() - started, 3)})
+            print(f"  chunk sweep: {sweep[-1]}", flush=True)
+        reader.runner.prefill_chunk = args.prefill_chunk
         for size, state in zip(args.sizes, states):
             before = dict(reader.stats)
             resting = torch.cuda.memory_allocated() if on_cuda else 0
@@ -104,7 +116,8 @@ async def in_process(args: argparse.Namespace, settings: Any, states: list[str],
                     naive[size] = got["full_read_eager"].get(1)
     finally:
         await reader.stop()
-    return {"prime_s": prime_s, "rows": rows, "naive_full_read_eager_ms": naive}
+    return {"load_s": load_s, "prime_s": prime_s, "chunk_sweep": sweep, "rows": rows,
+            "naive_full_read_eager_ms": naive}
 
 
 def served(args: argparse.Namespace, states: list[str], out_dir: Path) -> dict[str, Any]:
@@ -175,10 +188,17 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
     text += "\n" + markdown_table(["state tokens", "prompt tokens", "chunks", "cold s", "warm s",
                                    "peak GiB over resting", "served cold s", "served warm s",
                                    "naive full read s"], table)
-    text += f"\nin process: a prime chunked read first, {results['in_process']['prime_s']} s\n"
+    text += (f"\nin process: the reader loaded in {results['in_process']['load_s']} s (after the server: a "
+             f"restart with its compile caches); a prime chunked read first, {results['in_process']['prime_s']} s\n")
+    sweep = results["in_process"].get("chunk_sweep")
+    if sweep:
+        text += "\nPREFILL_CHUNK sweep (one cold read each, in process):\n\n" + markdown_table(
+            ["PREFILL_CHUNK", "prompt tokens", "cold s"],
+            [[row["prefill_chunk"], row["prompt_tokens"], row["cold_s"]] for row in sweep]) + "\n"
     startup = results.get("served", {}).get("startup")
     if startup:
-        text += f"served start-up (compile caches from the in-process run's): {startup}\n"
+        text += (f"\nserved start-up (a cold start: the compile caches empty): first answer "
+                 f"{startup.get('first_answer_s')} s, ready {startup.get('ready_s')} s\n")
     steady = results.get("served", {}).get("steady_beside_largest_cold")
     if steady:
         text += (f"\nsteady ticket client beside the largest cold read: {steady['requests']} answers, p50 "
@@ -194,6 +214,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "--tiny 300,1200,3000)")
     parser.add_argument("--prefill-chunk", type=int, default=None, help="PREFILL_CHUNK for both runs "
                         "(default: the server's)")
+    parser.add_argument("--chunk-sweep", default="", help="PREFILL_CHUNK values to time one cold read of "
+                        "--sweep-size tokens at, in process, before the sizes (e.g. 1024,2048,4096,8192)")
+    parser.add_argument("--sweep-size", type=int, default=35000)
     parser.add_argument("--naive-max", type=int, default=8700, help="naive full reads up to this many tokens")
     parser.add_argument("--served", action=argparse.BooleanOptionalAction, default=True,
                         help="also through the server (default on)")
@@ -207,6 +230,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.sizes = [int(part) for part in (args.sizes or ("300,1200,3000" if args.tiny else "8700,35000,110000"))
                   .split(",") if part.strip()]
+    args.chunk_sweep = [int(part) for part in args.chunk_sweep.split(",") if part.strip()]
     args.max_prompt_tokens = max(32768, -(-(max(args.sizes) + 2048) // 1024) * 1024)
     if args.prefill_chunk is None:
         from app.config import Settings
@@ -222,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from app.build import use_cache_dir
     from app.config import Settings
 
-    use_cache_dir(Settings.from_env())  # before torch, and the server child's too: its start is a restart
+    use_cache_dir(Settings.from_env())  # before torch; the server child (started first) fills the same caches
 
     from app.engine.tiny import build_tokenizer
 
@@ -237,9 +261,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                                  prefill_chunk=args.prefill_chunk, torch_compile=args.compile,
                                  fused_moe=args.fused_moe, cuda_graphs=args.cuda_graphs)
     results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}}
-    results["in_process"] = asyncio.run(in_process(args, settings, states, prime))
-    if args.served:
+    sweep_states = [state_of(tokenizer, args.sweep_size, rng) for _ in args.chunk_sweep]
+    if args.served:  # first: the server child's GPU memory is all back when it exits (a cold start)
         results["served"] = served(args, states, out_dir)
+    # then in process, its load a restart with the compile caches the server left in CACHE_DIR
+    results["in_process"] = asyncio.run(in_process(args, settings, states, prime, sweep_states))
     text = report(results, args)
     print(text, flush=True)
     (out_dir / "bench_gpu_long.md").write_text(text)

@@ -10,6 +10,7 @@ docs/design.md §4.7 and §5.2.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -62,6 +63,18 @@ def feed_forward(layer: TextLayer, attention_out: torch.Tensor, residual: torch.
     return hidden * layer.layer_scalar
 
 
+@dataclass(frozen=True)
+class ChunkMask:
+    """The attention mask of a long prompt's chunk after the first, never materialised over the
+    prompt: each of the chunk's queries sees every earlier token in a full-attention layer, the last
+    `sliding_window` in a sliding one, and the chunk's own tokens causally (`chunk_attention`)."""
+
+
+CHUNK_MASK = ChunkMask()
+# The encoder's masks for a chunk after the first, by layer type (the encoder takes them as a dict).
+CHUNK_MASKS = {"full_attention": CHUNK_MASK, "sliding_attention": CHUNK_MASK}
+
+
 def attend(layer: TextLayer, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            attention_mask: torch.Tensor | None, past_key_values: Cache | None, kwargs: dict[str, Any]) -> torch.Tensor:
     """The cache and attention, as the library's attention modules do them."""
@@ -77,6 +90,8 @@ def attend(layer: TextLayer, queries: torch.Tensor, keys: torch.Tensor, values: 
             keys, values = attention.append_to_cache(past_key_values, keys, values)
         else:
             keys, values = past_key_values.update(keys, values, attention.layer_idx)
+    if isinstance(attention_mask, ChunkMask):
+        return chunk_attention(queries, keys, values, attention.scaling, attention.sliding_window)
     if attention_mask is not None and uses_grouped_attention(attention, queries, keys, attention_mask):
         return grouped_attention(queries, keys, values, attention_mask, attention.scaling)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -114,6 +129,60 @@ def grouped_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     out = torch.nn.functional.scaled_dot_product_attention(
         stacked, keys, values, attn_mask=mask.repeat(1, 1, groups, 1), scale=scaling)
     return out.reshape(batch, heads, tokens, dim).transpose(1, 2)
+
+
+def chunk_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                    window: int | None) -> torch.Tensor:
+    """Attention for a chunk of a long prompt, as [batch, tokens, heads, head_dim]: its queries
+    [batch, heads, tokens, dim] are the last `tokens` positions of `keys`/`values` [batch, kv heads,
+    keys, dim] (the cache after the chunk was appended).
+
+    A sliding layer holds at most its window before the chunk: a small mask over those keys. A
+    full-attention layer holds the whole prompt so far, where a mask would be tokens x prompt (a
+    110k-token prompt's last chunk: gigabytes, and SDPA's slow masked kernels): the earlier tokens
+    are read without any mask, every query head of a KV head stacked along the tokens as in
+    `grouped_attention`, the chunk's own tokens causally, and the two softmaxes merged by their
+    log-sum-exps."""
+    tokens = queries.shape[2]
+    past = keys.shape[2] - tokens
+    if window is not None:
+        rows = torch.arange(tokens, device=queries.device).unsqueeze(1) + past
+        columns = torch.arange(keys.shape[2], device=queries.device).unsqueeze(0)
+        mask = (columns <= rows) & (columns > rows - window)
+        return grouped_attention(queries, keys, values, mask[None, None], scaling)
+    batch, heads, _, dim = queries.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    own_keys = keys[:, :, past:].repeat_interleave(groups, dim=1)  # the chunk's KV: small to repeat
+    own_values = values[:, :, past:].repeat_interleave(groups, dim=1)
+    out, lse = attention_with_lse(queries, own_keys, own_values, scaling, causal=True)
+    if past > 0:
+        stacked = queries.reshape(batch, kv_heads, groups * tokens, dim)
+        earlier, earlier_lse = attention_with_lse(stacked, keys[:, :, :past], values[:, :, :past], scaling,
+                                                  causal=False)
+        earlier = earlier.reshape(batch, heads, tokens, -1)
+        earlier_lse = earlier_lse.reshape(batch, heads, tokens)
+        total = torch.logaddexp(lse, earlier_lse)
+        out = (out.float() * torch.exp(lse - total).unsqueeze(-1)
+               + earlier.float() * torch.exp(earlier_lse - total).unsqueeze(-1))
+    return out.to(queries.dtype).transpose(1, 2)
+
+
+def attention_with_lse(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention without a mask (or causal, for as many keys as queries) and its
+    log-sum-exp per query row (float32): on CUDA SDPA's memory-efficient kernel, which returns both;
+    elsewhere the same arithmetic in float32."""
+    if queries.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            queries, keys, values, None, True, 0.0, causal, scale=scaling)[:2]
+        return out, lse[..., :queries.shape[2]]  # the kernel pads the rows of its log-sum-exp
+    scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scaling
+    if causal:
+        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.softmax(scores, dim=-1), values.float()), lse
 
 
 def install(layers: Sequence[TextLayer], compile: Callable[[Callable], Callable] | None = None) -> None:

@@ -86,6 +86,11 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         from app.engine.hf.compiled import compile_layers
 
         compile_layers(model)
+    else:  # the encoder's attention through `attend` eagerly: a long prompt's chunks need its chunk path
+        from app.engine.hf.layers import install
+        from app.engine.hf.parts import encoder_layers
+
+        install(encoder_layers(model))
     image_token_id = model.config.image_token_id
     assert image_token_id is not None, "the checkpoint's config names no image token"
     tokenizer = HFChatTokenizer(

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from app.engine.base import CacheKey, EngineInputError, Prompt, decode_images
 from app.engine.hf import pixels
 from app.engine.hf.graphs.encoder import Layers, copy_rows
+from app.engine.hf.layers import CHUNK_MASKS
 from app.engine.hf.pixels import Resized
 
 if TYPE_CHECKING:
@@ -63,6 +64,22 @@ def cache_kv(cache: Cache) -> Layers:
         if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
             raise TypeError(f"a cache layer without keys and values: {type(layer).__name__}")
         layers.append((layer.keys, layer.values))
+    return layers
+
+
+def copy_layers(cache: Cache) -> Layers:
+    """A filled cache's layers copied as `copy_rows` lays them out, one layer at a time, each layer's
+    own tensors let go as soon as it is copied: a long prompt's KV is held twice for one layer at
+    most, not for all of them (a 110k-token prompt's full-attention layers hold ~2.3 GB)."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    layers: Layers = []
+    for layer in cache.layers:
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+            raise TypeError(f"a cache layer without keys and values: {type(layer).__name__}")
+        (copied,) = copy_rows([[(layer.keys, layer.values)]])
+        layers.extend(copied)
+        layer.keys = layer.values = None
     return layers
 
 
@@ -710,10 +727,10 @@ class PromptEncodingMixin:
             with torch.no_grad():
                 positions = torch.arange(start, end, device=self.device).unsqueeze(0)
                 encoder.language_model(inputs_embeds=embeds[None, start:end], position_ids=positions,
-                                       past_key_values=cache)
+                                       attention_mask=CHUNK_MASKS if start else None, past_key_values=cache)
             self.stats["encoder_passes"] += 1
             self.stats["encoder_chunks"] += 1
-        encoded = EncodedPrompt(copy_rows([cache_kv(cache)])[0], length)
+        encoded = EncodedPrompt(copy_layers(cache), length)
         self.prompts.put(key, encoded)
         self.stats["kv_misses"] += 1
         self.stats["prompts_chunked"] += 1

@@ -164,3 +164,28 @@ def test_the_decision_core_reads_the_engines_prompt_limit_unless_one_is_set():
     assert read_settings(Settings.of()).max_prompt_tokens == 32768  # the engine says nothing
     assert read_settings(Settings.of(max_prompt_tokens=9000), info).max_prompt_tokens == 9000
     assert prompt_limit(Settings.of(max_prompt_tokens=9000), info) == 9000
+
+
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("past", [0, 5, 37])
+def test_chunk_attention_matches_attention_under_the_full_mask(window, past):
+    """`chunk_attention` (no mask over the earlier tokens of a full layer, two softmaxes merged by
+    their log-sum-exps) against SDPA under the materialised mask, query heads sharing KV heads."""
+    from app.engine.hf.layers import chunk_attention
+
+    generator = torch.Generator().manual_seed(past + (window or 0))
+    tokens, heads, kv_heads, dim = 11, 4, 2, 16
+    kept = past if window is None else min(past, window - 1)  # a sliding layer's cache holds its window
+    queries = torch.randn(1, heads, tokens, dim, generator=generator)
+    keys = torch.randn(1, kv_heads, kept + tokens, dim, generator=generator)
+    values = torch.randn(1, kv_heads, kept + tokens, dim, generator=generator)
+    rows = torch.arange(tokens).unsqueeze(1) + kept
+    columns = torch.arange(kept + tokens).unsqueeze(0)
+    mask = columns <= rows
+    if window is not None:
+        mask &= columns > rows - window
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        queries, keys.repeat_interleave(2, dim=1), values.repeat_interleave(2, dim=1), attn_mask=mask, scale=0.5)
+    got = chunk_attention(queries, keys, values, 0.5, window)
+    assert got.shape == (1, tokens, heads, dim)
+    assert torch.allclose(got.transpose(1, 2), expected, atol=1e-5)
