@@ -4,10 +4,12 @@ numbers are random: these tests prove the mechanics, not that any answer got bet
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
+from app.decisions import debias
 from app.decisions.debias import (
     Debias,
     PriorCache,
@@ -23,8 +25,11 @@ from app.decisions.debias import (
     shown_question,
     to_caller,
 )
+from app.decisions.errors import RequestError
 from app.decisions.estimate import QuestionEstimate
 from app.decisions.questions import CHOICE, NOUL, SCORE, Alternative, Question
+from app.decisions.request import parse_decision
+from tests.conftest import LIMITS
 
 
 def choice(*names: str, qid: str = "c") -> Question:
@@ -62,6 +67,12 @@ def test_each_mode_parses_and_spells_itself_back(mode, order, prior):
 def test_other_spellings_are_not_modes(mode):
     with pytest.raises(ValueError, match="debias must be one of"):
         Debias.parse(mode)
+
+
+def test_the_settings_know_the_same_modes():
+    from app.config import DEBIAS_MODES
+
+    assert DEBIAS_MODES == debias.MODES
 
 
 # ------------------------------------------------------------------ orders
@@ -171,3 +182,29 @@ def test_the_prior_cache_is_a_bounded_lru():
     assert cache.get(("a",)) == ((0.5, 0.5),)  # a is now the most recent
     cache.put(("c",), ((0.1, 0.9),))
     assert cache.get(("b",)) is None and cache.get(("a",)) is not None and len(cache) == 2
+
+
+# ------------------------------------------------------------------ the request key
+
+
+def body(**extra) -> dict:
+    return {"state": "x", "questions": {"t": {"type": "choice", "criteria": {"a": None, "b": None}}}, **extra}
+
+
+@pytest.mark.parametrize("value", ["sorted", "Rotate", "prior+rotate", "canonical+rotate", ["rotate", "prior"], 1,
+                                   True, {"mode": "rotate"}, ""])
+def test_a_bad_debias_is_refused_naming_the_field(value):
+    with pytest.raises(RequestError) as info:
+        parse_decision(body(debias=value), LIMITS)
+    error = info.value
+    assert error.loc == ("debias",) and error.status == 422
+    assert error.message.startswith('schema: debias must be one of "off", "canonical", "rotate", "prior"')
+
+
+def test_debias_defaults_to_the_setting_and_null_is_the_default():
+    assert parse_decision(body(), LIMITS).debias == debias.OFF
+    rotating = dataclasses.replace(LIMITS, debias="rotate+prior")
+    assert parse_decision(body(), rotating).debias == Debias("rotate", True)
+    assert parse_decision(body(debias=None), rotating).debias == Debias("rotate", True)
+    assert parse_decision(body(debias="off"), rotating).debias == debias.OFF
+    assert parse_decision(body(debias="canonical"), LIMITS).debias == Debias("canonical", False)
