@@ -25,15 +25,17 @@ ORDERS = ("off", "canonical", "rotate")
 
 # The state of a prior read: content-free text, no images.
 CONTENT_FREE_STATE = "N/A"
-# The prior read's noise seed: fixed, so a sheet's prior is the same whatever the request's seed.
+# The prior read's noise: its own fixed seed, so a sheet's prior is the same whatever the request's
+# seed, and a few draws averaged, so it is not one noise token's.
 PRIOR_SEED = 0
+PRIOR_DRAWS = 4
 # A prior probability is floored here before it divides a read (a label the prior gives no mass
 # would otherwise take all of it).
 PRIOR_FLOOR = 1e-6
 PRIOR_ENTRIES = 256  # the Decider's LRU of priors: sheets, not requests
 
 Order = tuple[int, ...]
-Prior = tuple[tuple[float, ...], ...]  # one renormalised label distribution per slot, in shown order
+Prior = tuple[tuple[float, ...], ...]  # per slot, the mean renormalised label distribution, in shown order
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,12 @@ def divide_prior(probs: Sequence[float], prior: Sequence[float]) -> list[float]:
     return [ratio / total for ratio in ratios]
 
 
+def mean_prior(draws: Sequence[Sequence[Sequence[float]]]) -> Prior:
+    """The prior from a content-free read's draws (per draw, per slot, a renormalised distribution):
+    per slot, the mean over the draws."""
+    return tuple(tuple(sum(values) / len(draws) for values in zip(*slot)) for slot in zip(*draws))
+
+
 def prior_adjust(priors: Mapping[str, Sequence[float]]) -> Adjust:
     """The group's per-read adjustment: each question's prior (by qid, in shown order) divided out."""
 
@@ -203,7 +211,7 @@ class Cost:
     rotations: int  # prompts of the state (K; 1 for canonical or prior alone)
     reads: int  # reader calls for the state (auto's second call counts)
     canvases: int  # canvases of the state read (every draw of every rotation)
-    prior_reads: int = 0  # content-free reads made (a prompt and one canvas each)
+    prior_reads: int = 0  # content-free reads made (a prompt and PRIOR_DRAWS canvases each)
     prior_cached: int = 0  # content-free reads found in the cache
 
 
@@ -215,7 +223,7 @@ def cost_json(mode: str, costs: Sequence[Cost]) -> dict:
         "rotations": [c.rotations for c in costs],
         "prompts": sum(c.rotations for c in costs) + prior_reads,
         "reads": sum(c.reads for c in costs) + prior_reads,
-        "canvases": sum(c.canvases for c in costs) + prior_reads,
+        "canvases": sum(c.canvases for c in costs) + prior_reads * PRIOR_DRAWS,
         "prior": {"read": prior_reads, "cached": sum(c.prior_cached for c in costs)},
     }
 
