@@ -218,6 +218,7 @@ def limits(settings: Settings) -> Limits:
         default_seed=settings.decisions.default_seed,
         auto_max=settings.decisions.auto_max,
         auto_threshold=settings.decisions.auto_threshold,
+        debias=settings.decisions.debias,
     )
 
 
@@ -244,4 +245,5 @@ def read_settings(settings: Settings, info: ReaderInfo | None = None) -> ReadSet
         thought_in_prompt=settings.decisions.thought_placement == "prompt",
         max_prompt_tokens=prompt_limit(settings, info),
         max_thought_tokens=settings.limits.max_thought_tokens,
+        debias_rotations=settings.decisions.debias_rotations,
     )

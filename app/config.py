@@ -16,6 +16,9 @@ from typing import Any, Iterator, Mapping
 
 # The engines this build has.
 ENGINES = ("hf", "vllm", "remote")
+# DEBIAS's values (app/decisions/debias.py MODES, the request key's; a test keeps them equal).
+DEBIAS_MODES = ("off", "canonical", "rotate", "prior", "canonical+prior", "rotate+prior")
+MAX_DEBIAS_ROTATIONS = 32
 LOG_FORMATS = ("text", "json")
 
 
@@ -78,6 +81,11 @@ class DecisionSettings:
         "AUTO_MAX", "reads in all when samples is auto and a read is unsure"))
     auto_threshold: float = field(default=0.1, metadata=_meta(
         "AUTO_THRESHOLD", "entropy (nats) of a label distribution past which auto reads again"))
+    debias: str = field(default="off", metadata=_meta(
+        "DEBIAS", "debias of a request that sends none: off, canonical, rotate, prior, canonical+prior "
+        "or rotate+prior"))
+    debias_rotations: int = field(default=8, metadata=_meta(
+        "DEBIAS_ROTATIONS", "rotate reads at most this many shifts of a question's options (2 to 32)"))
 
     def problems(self) -> list[str]:
         problems = []
@@ -93,6 +101,10 @@ class DecisionSettings:
             problems.append("AUTO_MAX must be at least 1")
         if not self.auto_threshold >= 0:
             problems.append("AUTO_THRESHOLD must be at least 0")
+        if self.debias not in DEBIAS_MODES:
+            problems.append(f"DEBIAS must be one of {', '.join(DEBIAS_MODES)}, not {self.debias!r}")
+        if not 2 <= self.debias_rotations <= MAX_DEBIAS_ROTATIONS:
+            problems.append(f"DEBIAS_ROTATIONS must be 2 to {MAX_DEBIAS_ROTATIONS}, not {self.debias_rotations}")
         return problems
 
 

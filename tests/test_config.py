@@ -23,6 +23,8 @@ def test_env_values_are_read_and_converted():
     server = settings.server
     assert (server.port, server.pages, server.api_key, settings.decisions.canvas) == (9000, False, "k", 64)
     assert build.limits(settings).max_samples == 32 and build.read_settings(settings).canvas_length == 64
+    settings = Settings.from_env({"DEBIAS": "rotate+prior", "DEBIAS_ROTATIONS": "4"})
+    assert build.limits(settings).debias == "rotate+prior" and build.read_settings(settings).debias_rotations == 4
 
 
 def test_flags_override_the_environment(monkeypatch):
@@ -42,6 +44,11 @@ def test_flags_override_the_environment(monkeypatch):
     ({"THOUGHT_PLACEMENT": "x"}, "THOUGHT_PLACEMENT"),
     ({"CANVAS": "8"}, "CANVAS must be 16 to 4096"),
     ({"MAX_INFLIGHT": "0"}, "MAX_INFLIGHT must be at least 1"),
+    ({"DEBIAS": "sorted"}, "DEBIAS must be one of off, canonical, rotate"),
+    ({"DEBIAS": "prior+rotate"}, "DEBIAS must be one of"),
+    ({"DEBIAS_ROTATIONS": "1"}, "DEBIAS_ROTATIONS must be 2 to 32, not 1"),
+    ({"DEBIAS_ROTATIONS": "33"}, "DEBIAS_ROTATIONS must be 2 to 32, not 33"),
+    ({"DEBIAS_ROTATIONS": "eight"}, "DEBIAS_ROTATIONS must be an integer"),
 ])
 def test_bad_settings_are_refused_by_name(env, message):
     with pytest.raises(ValueError) as info:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from app.decisions.canvas import content_seed
+from app.decisions.debias import CONTENT_FREE_STATE
 from app.decisions.errors import RequestError
 from app.decisions.plan import Plan
 from app.decisions.prompt import ChatPrompts, restated_state, system_text
@@ -135,6 +136,24 @@ class GroupPrompts:
                 prompt = GroupPrompt(*await offload(self.prompts.plain, system, user, len(d.images)))
         self.check_length(prompt.ids)
         return prompt
+
+    def content_free(self, shown: Sequence[Question], conditioning: Conditioning, conditioned: bool,
+                     chunked: bool) -> GroupPrompt:
+        """The group's prompt with a content-free state (`debias` with `prior`, docs/quality.md): the
+        same sheet, any earlier answers as `for_group` continues or restates them, the state text
+        "N/A", no images and no thought. Synchronous (run it through `offload`)."""
+        state = CONTENT_FREE_STATE
+        if not self.image_state and self.plan.chained:
+            if conditioned:
+                lead = JOIN[self.plan.fmt]
+                prefix = self.prompts.with_scaffold(self.full_system(), state, 0)
+                return GroupPrompt(prefix + tuple(self.tok.encode(lead.join(conditioning.prefill))), lead=lead)
+            return GroupPrompt(*self.prompts.plain(self.full_system(), state, 0))
+        if not self.image_state:
+            return GroupPrompt(*self.prompts.plain(self.group_system(shown, chunked), state, 0))
+        user = restated_state(state, conditioning.restated) if conditioned else state
+        system = self.full_system() if self.plan.chained else self.group_system(shown, chunked)
+        return GroupPrompt(*self.prompts.plain(system, user, 0))
 
     # ------------------------------------------------------------------ thoughts
 

@@ -23,3 +23,4 @@ class Limits:
     default_seed: int
     auto_max: int
     auto_threshold: float
+    debias: str  # the `debias` of a request that sends none

@@ -7,7 +7,7 @@ refused. So the declaration order is the order of the checks: the questions (eac
 the dependencies between them), the extension keys, then `model`, the state and the images.
 
 A `null` member, at the top or inside a question, is the member left out. Server-wide defaults
-(seed, the auto policy, isolate, confidence) stay `None` here and come from `Limits`, which
+(seed, the auto policy, isolate, confidence, debias) stay `None` here and come from `Limits`, which
 validation's context carries with the other limits that are settings.
 """
 
@@ -40,6 +40,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from app.decisions.debias import MODES as DEBIAS_MODES
 from app.decisions.questions import (
     CONFIDENCE_MODES,
     QUESTION_TYPES,
@@ -317,6 +318,7 @@ class DecisionBody(BaseModel):
     sequential: StrictBool = Field(False, json_schema_extra=EXTENSION)
     isolate: StrictBool | None = Field(None, json_schema_extra=EXTENSION)
     confidence: Literal[CONFIDENCE_MODES] | None = Field(None, json_schema_extra=EXTENSION)  # type: ignore[valid-type]
+    debias: Literal[DEBIAS_MODES] | None = Field(None, json_schema_extra=EXTENSION)  # type: ignore[valid-type]
     model: StrictStr | None = None
     state: Any
     images: Annotated[tuple[ImageEntry, ...], BeforeValidator(_image_count)] = ()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from app.decisions.debias import PRIOR_DRAWS, Cost, cost_json
 from app.decisions.estimate import QuestionEstimate
 from app.decisions.plan import Plan, Skip
 from app.decisions.questions import Question
@@ -25,8 +26,9 @@ class GroupResult:
     draws: int
     rows: int  # canvas rows read (template + `<turn|>`)
     prompt_tokens: int
-    thought: dict | None = None
+    thought: dict | list | None = None  # under `rotate`, one per rotation
     thought_tokens: int = 0
+    cost: Cost | None = None  # with `debias`: the group's reads of the state and its prior reads
 
     def samples(self) -> dict:
         return {"n": self.draws, "tops": self.tops, "policy": self.policy}
@@ -50,7 +52,7 @@ def assemble(
     groups: Sequence[GroupResult],
     skipped: dict[str, Skip],
     stages_read: list[list[str]],
-    chain_thought: dict | None,
+    chain_thought: dict | list | None,
     chain_thought_tokens: int,
     engine: str,
     seconds: float,
@@ -92,7 +94,7 @@ def assemble(
             "policy": [g.policy for g in groups],
         }
     total_ms = round(seconds * 1000, 1)
-    reads = sum(g.draws for g in groups)
+    reads = sum(g.draws for g in groups) + PRIOR_DRAWS * sum(g.cost.prior_reads for g in groups if g.cost is not None)
     diagnostics = {
         "steps": decision.steps,
         "stages": stages_read,
@@ -109,6 +111,8 @@ def assemble(
         "format": plan.fmt,
         "engine": engine,
     }
+    if not decision.debias.off:
+        diagnostics["debias"] = cost_json(decision.debias.mode, [g.cost for g in groups if g.cost is not None])
     if decision.ask is not None:
         diagnostics["not_asked"] = [q.qid for q in decision.questions if q.qid not in set(decision.ask)]
     if decision.ignored:

@@ -33,6 +33,7 @@ class ReadSettings:
     thought_in_prompt: bool  # the empty thought block ends the prompt instead of opening the canvas
     max_prompt_tokens: int  # a prompt past this is refused before any template work
     max_thought_tokens: int  # think x the groups that think, per request
+    debias_rotations: int  # `rotate` reads at most this many shifts of a question's options
 
 
 async def inline(fn: Callable[..., T], /, *args: Any) -> T:

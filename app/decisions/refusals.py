@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from app.decisions.debias import MODES as DEBIAS_MODES
 from app.decisions.errors import RequestError
 from app.decisions.limits import Limits
 from app.decisions.models import MAX_SEED, MIN_CHUNK_ROWS
@@ -73,6 +74,7 @@ REFUSALS: dict[tuple[tuple[Any, ...], str | None], Refusal] = {
     (("sequential",), None): Refusal(f"schema: sequential {BOOL}"),
     (("isolate",), None): Refusal(f"schema: isolate {BOOL}"),
     (("confidence",), None): Refusal('schema: confidence must be "djev" (probability of the answer) or "jev"'),
+    (("debias",), None): Refusal("schema: debias must be one of " + ", ".join(f'"{m}"' for m in DEBIAS_MODES)),
     (("model",), None): Refusal('model: must be a string such as "jev-latest"'),
     (("state",), None): Refusal("state: required"),
     (("images",), None): Refusal("images: must be a list of data:image/... URLs or {{content_type, base64}} objects"),

@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, StrictStr, ValidationError
 
+from app.decisions.debias import Debias
 from app.decisions.errors import RequestError
 from app.decisions.limits import Limits
 from app.decisions.models import DecisionBody, decoded
@@ -54,6 +55,7 @@ class Decision:
     sequential: bool
     isolate: bool
     confidence: str
+    debias: Debias  # the options' order and the label prior (docs/quality.md)
     model: str | None
     ignored: tuple[str, ...]  # unknown top-level keys, in body order (Jev ignores them too)
 
@@ -108,6 +110,7 @@ def parse_decision(
         sequential=parsed.sequential,
         isolate=limits.isolate if parsed.isolate is None else parsed.isolate,
         confidence=limits.confidence if parsed.confidence is None else parsed.confidence,
+        debias=Debias.parse(limits.debias if parsed.debias is None else parsed.debias),
         model=parsed.model,
         ignored=tuple(key for key in body if key not in DecisionBody.model_fields),
     )

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from app.decisions.chat import chat_to_body
+from app.decisions.debias import OFF
 from app.decisions.outcome import Outcome
 from app.decisions.plan import Plan
 from app.decisions.request import Decision, parse_decision
@@ -107,14 +108,16 @@ def priced_plan(svc: Services, decision: Decision) -> Plan:
 
 
 def expensive_field(svc: Services, decision: Decision) -> str:
-    """Which field to name when a decision costs too much: the first of think and samples whose
-    removal alone brings it within budget, else the questions."""
+    """Which field to name when a decision costs too much: the first of think, samples and debias
+    whose removal alone brings it within budget, else the questions."""
     budget = svc.admission.max_cost
     cheaper = []
     if decision.think:
         cheaper.append(("think", dataclasses.replace(decision, think=0)))
     if decision.samples.count > 1:
         cheaper.append(("samples", dataclasses.replace(decision, samples=dataclasses.replace(decision.samples, count=1))))
+    if not decision.debias.off:
+        cheaper.append(("debias", dataclasses.replace(decision, debias=OFF)))
     for name, variant in cheaper:
         if svc.plan(variant).cost <= budget:
             return name

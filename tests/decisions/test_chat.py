@@ -13,7 +13,7 @@ from tests.conftest import LIMITS
 EXTENSIONS = {
     "instructions": "context", "samples": 2, "auto_max": 3, "auto_threshold": 0.2, "steps": 2, "think": 16,
     "ask": ["a", "b"], "chunk_rows": 16, "chunk_prompt": "shared", "sequential": True, "isolate": True,
-    "confidence": "jev",
+    "confidence": "jev", "debias": "rotate+prior",
 }
 
 
@@ -42,6 +42,7 @@ def test_every_extension_and_question_key_reaches_the_decision():
     assert "x_not_a_key" not in body and "model" not in body
     decision = parse_decision(body, LIMITS)
     assert decision.samples.count == 2 and decision.think == 16 and decision.chunk_prompt == "shared"
+    assert decision.debias.mode == "rotate+prior"
     a, b = decision.questions
     assert a.alone and a.instructions == "A?"
     assert b.depends_on == ("a",) and b.ask_if == (("a", ("yes",)),)

@@ -94,6 +94,9 @@ ROWS = {
     (("isolate",), None): (body(isolate="false"), {}, 422, "schema: isolate must be true or false", ("isolate",)),
     (("confidence",), None): (body(confidence="JEV"), {}, 422,
                               'schema: confidence must be "djev" (probability of the answer) or "jev"', ("confidence",)),
+    (("debias",), None): (body(debias="sorted"), {}, 422,
+                          'schema: debias must be one of "off", "canonical", "rotate", "prior", "canonical+prior", '
+                          '"rotate+prior"', ("debias",)),
     (("model",), None): (body(model=["jev-latest"]), {}, 422, 'model: must be a string such as "jev-latest"', ("model",)),
     (("state",), None): ({"questions": BASE["questions"]}, {}, 422, "state: required", ("state",)),
     (("images",), None): (body(images={"a": PNG}), {}, 422,

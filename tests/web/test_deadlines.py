@@ -171,3 +171,19 @@ def test_parsing_and_validation_run_in_a_worker_thread(tokenizer, monkeypatch, s
         assert loop not in threads.values(), (loop, threads)
     else:
         assert set(threads.values()) == {loop}, (loop, threads)
+
+
+def test_a_debiased_decision_is_priced_by_its_rotations_and_named(tokenizer):
+    """Admission prices `rotate` as K prompts (plus `prior`'s content-free reads): a decision that
+    only debiasing makes too costly is a 400 naming debias."""
+    options = {f"option {i}": None for i in range(16)}
+    body = {**TICKET, "questions": {"pick": {"type": "choice", "criteria": options}}, "samples": 1}
+    with TestClient(create_app(Settings.of(max_inflight_cost=20), ScriptedReader(tokenizer))) as client:
+        assert client.post("/v1/systemone", json={**body, "debias": "rotate"}).status_code == 200  # K = 8
+        response = client.post("/v1/systemone", json={**body, "debias": "rotate+prior"})  # 8 x (1 + 4)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "debias" and "costs 40" in error["message"]
+        answered = client.post("/v1/systemone", json={**body, "debias": "rotate"}).json()
+        assert answered["diagnostics"]["debias"]["rotations"] == [8]
+        assert list(answered["answers"]["pick"]["probabilities"]) == list(options)
