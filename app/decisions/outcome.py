@@ -54,6 +54,7 @@ def assemble(
     chain_thought_tokens: int,
     engine: str,
     seconds: float,
+    calibration: dict | None = None,
 ) -> Outcome:
     by_question = {q.qid: g for g in groups for q in g.questions}
     asked = decision.asked()
@@ -108,6 +109,7 @@ def assemble(
         "questions": {qid: e.diagnostics() for g in groups for qid, e in g.estimates.items()},
         "format": plan.fmt,
         "engine": engine,
+        "calibration": calibration,
     }
     if decision.ask is not None:
         diagnostics["not_asked"] = [q.qid for q in decision.questions if q.qid not in set(decision.ask)]

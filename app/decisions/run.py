@@ -18,8 +18,10 @@ import dataclasses
 import time
 from typing import Sequence
 
+from app.decisions.calibration import Calibration
 from app.decisions.canvas import Canvas, build_canvas
 from app.decisions.errors import RequestError
+from app.decisions.estimate import Adjust
 from app.decisions.group_prompt import Chain, Conditioning, GroupPrompts
 from app.decisions.labels import LabelAlphabets
 from app.decisions.outcome import GroupResult, Outcome, assemble
@@ -42,10 +44,11 @@ class Decider:
     """Runs decisions for one reader. Holds the template and label caches for the reader's tokenizer.
 
     `offload(fn, *args)` runs synchronous work off the event loop (default: `asyncio.to_thread`;
-    the server passes its own bounded pool)."""
+    the server passes its own bounded pool). `calibration`, when given, changes every read before
+    its answers are formed (a fitted calibration, `djev serve --calibration`)."""
 
     def __init__(self, reader: Reader, settings: ReadSettings, templates: Templates | None = None,
-                 offload: Offload | None = None) -> None:
+                 offload: Offload | None = None, calibration: Calibration | None = None) -> None:
         self.reader = reader
         self.settings = settings
         self.tokenizer = reader.tokenizer
@@ -53,13 +56,30 @@ class Decider:
         self.alphabets = LabelAlphabets(reader.tokenizer)
         self.prompts = ChatPrompts(reader.tokenizer, settings.thought_in_prompt)
         self.offload: Offload = offload or asyncio.to_thread
+        self.calibration = calibration
 
-    async def decide(self, decision: Decision, plan: Plan | None = None) -> Outcome:
+    async def decide(self, decision: Decision, plan: Plan | None = None, adjust: Adjust | None = None) -> Outcome:
         """Run a decision; `plan` is `self.plan(decision)` when the caller already made it (the
-        server plans in its worker pool to price the decision before admitting it)."""
+        server plans in its worker pool to price the decision before admitting it). `adjust`, when
+        given, is every read's adjustment in place of the calibration (`djev calibrate` records the
+        raw reads with one that changes nothing)."""
         if plan is None:
             plan = await self.offload(self.plan, decision)
-        return await _Run(self, decision, plan).run()
+        calibration = None if adjust is not None else self.calibration_for(decision)
+        if calibration is not None:
+            adjust = calibration.adjust
+        return await _Run(self, decision, plan, adjust, calibration.identity() if calibration else None).run()
+
+    def calibration_for(self, decision: Decision) -> Calibration | None:
+        """The calibration that applies to this decision: the server's, when the decision is read
+        in the option order it was fitted under (a request may ask for another debias mode)."""
+        calibration = self.calibration
+        if calibration is None:
+            return None
+        mode = getattr(decision, "debias", None)
+        if mode is not None and str(mode) != calibration.fitted_for.debias:
+            return None
+        return calibration
 
     # ------------------------------------------------------------------ planning (synchronous)
 
@@ -125,14 +145,17 @@ class _Run:
     """One decision in flight: the flow over stages and groups, gating by `ask_if`, and what later
     stages read of earlier ones. Prompts come from `GroupPrompts`, reads from `Draws`."""
 
-    def __init__(self, decider: Decider, decision: Decision, plan: Plan) -> None:
+    def __init__(self, decider: Decider, decision: Decision, plan: Plan, adjust: Adjust | None = None,
+                 calibration: dict | None = None) -> None:
         self.decider = decider
         self.d = decision
         self.plan = plan
         self.offload: Offload = inline if plan.small else decider.offload
         self.prompts = GroupPrompts(decision, plan, decider.prompts, decider.templates, decider.settings,
                                     decider.reader, self.offload)
-        self.draws = Draws(decider.reader, self.offload, decision.seed, decision.steps, decider.tokenizer.vocab_size)
+        self.draws = Draws(decider.reader, self.offload, decision.seed, decision.steps, decider.tokenizer.vocab_size,
+                           adjust)
+        self.calibration = calibration  # what diagnostics say of the calibration applied: its file and hash
         self.answered: dict[str, str | None] = {}  # qid -> the chosen alternative's name; None = skipped
         self.skipped: dict[str, Skip] = {}
         self.stages_read: list[list[str]] = []
@@ -160,7 +183,7 @@ class _Run:
         return await self.offload(
             assemble, self.d, self.plan, self.done, self.skipped, self.stages_read,
             self.chain.thought if self.chain else None, self.chain.thought_tokens if self.chain else 0,
-            self.decider.reader.info.engine, time.monotonic() - started,
+            self.decider.reader.info.engine, time.monotonic() - started, self.calibration,
         )
 
     async def run_stage(self, asked: list[Question]) -> None:
