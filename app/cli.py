@@ -20,24 +20,29 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag for every setting, overriding its environment variable."""
+    for _, f in setting_fields():
+        env = f.metadata["env"]
+        kind = field_kind(f)
+        if kind is bool:
+            parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{f.metadata['help']} (env {env})")
+        elif kind is tuple:  # a list setting: the flag repeats
+            parser.add_argument(_flag(f.name), dest=f.name, action="append", default=None,
+                                help=f"{f.metadata['help']} (env {env})")
+        else:
+            parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=None,
+                                help=f"{f.metadata['help']} (env {env}, default {f.default!r})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="djev", description="DiffusionGemma decision server (Jev /v1/systemone)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="start the server", description=(
         "Start the decision server. Every flag overrides the environment variable named in its help."))
-    for _, f in setting_fields():
-        env = f.metadata["env"]
-        kind = field_kind(f)
-        if kind is bool:
-            serve.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                               help=f"{f.metadata['help']} (env {env})")
-        elif kind is tuple:  # a list setting: the flag repeats
-            serve.add_argument(_flag(f.name), dest=f.name, action="append", default=None,
-                               help=f"{f.metadata['help']} (env {env})")
-        else:
-            serve.add_argument(_flag(f.name), dest=f.name, type=kind, default=None,
-                               help=f"{f.metadata['help']} (env {env}, default {f.default!r})")
+    add_setting_flags(serve)
 
     selftest = commands.add_parser("selftest", help="one decision end to end, printed; exit 1 on failure", description=(
         "Send the README's three-question decision to a running server (--url), or, without --url, build the "
@@ -64,22 +69,36 @@ def serve(settings: Settings, load: Callable[[StartupProgress], Reader] | None =
     through the hf engine's `hf_reader`, and is served exactly as `djev serve` serves; its
     `extra_routes` go to `create_app` as they are. A load that fails stops the server within
     seconds: 2 when no checkpoint was usable (the message says what to do), 1 otherwise (the log
-    says why)."""
-    from app.build import CheckpointError, build_reader, provisional_info, use_cache_dir
+    says why). A CALIBRATION file that is malformed, or fitted for another model than the one
+    loaded, is refused the same way, with exit status 2."""
+    from app.build import CheckpointError, build_reader, check_calibration, load_calibration, provisional_info, use_cache_dir
+    from app.decisions.calibration import CalibrationError
     from app.engine.starting import StartingReader
     from app.server import create_app, serve_app
 
+    try:
+        calibration = load_calibration(settings)  # a malformed file stops the start before any load
+    except CalibrationError as exc:
+        print(f"djev: {exc}", file=sys.stderr)
+        return 2
+    build = load or (lambda progress: build_reader(settings, progress))
+
+    def load_checked(progress: StartupProgress) -> Reader:
+        reader = build(progress)
+        check_calibration(calibration, settings, reader.info, reader.tokenizer)  # fitted for this model?
+        return reader
+
     for name, value in use_cache_dir(settings).items():  # before the load imports torch
         logging.getLogger("djev").info("cache: %s=%s", name, value)
-    starting = StartingReader(provisional_info(settings), load or (lambda progress: build_reader(settings, progress)))
-    app = create_app(settings, starting, extra_routes)
+    starting = StartingReader(provisional_info(settings), load_checked)
+    app = create_app(settings, starting, extra_routes, calibration)
     ssl = None
     if settings.server.tls_port:
         from app.tls import ensure_certificate
 
         ssl = ensure_certificate(Path(settings.server.cert_dir))
     status = asyncio.run(serve_app(app, settings, ssl))
-    if isinstance(starting.failure, CheckpointError):
+    if isinstance(starting.failure, (CheckpointError, CalibrationError)):
         print(f"djev: {starting.failure}", file=sys.stderr)
         return 2
     return status

@@ -78,6 +78,9 @@ class DecisionSettings:
         "AUTO_MAX", "reads in all when samples is auto and a read is unsure"))
     auto_threshold: float = field(default=0.1, metadata=_meta(
         "AUTO_THRESHOLD", "entropy (nats) of a label distribution past which auto reads again"))
+    calibration: str = field(default="", metadata=_meta(
+        "CALIBRATION", "a calibration file `djev calibrate` wrote, applied to every read before answers are formed "
+        "(refused at start if fitted for another model, tokenizer, template, canvas or debias mode); empty = none"))
 
     def problems(self) -> list[str]:
         problems = []
