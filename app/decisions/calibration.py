@@ -333,7 +333,7 @@ def metrics(answers: Iterable[tuple[Sequence[float], int]], bins: int = ECE_BINS
     for probs, label in rows:
         top = _top(probs)
         p_top = probs[top]
-        index = min(bins - 1, int(p_top * bins))
+        index = min(bins - 1, int(p_top * bins + 1e-9))  # 0.7 computed as 0.6999999999 is in the 0.7 bin
         counts[index] += 1
         confidence[index] += p_top
         correct[index] += 1.0 if top == label else 0.0
