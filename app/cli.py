@@ -1,4 +1,5 @@
-"""`djev serve | selftest | tiny-model`: parse flags, build Settings, choose the checkpoint, start the server."""
+"""`djev serve | calibrate | eval | selftest | tiny-model`: parse flags, build Settings, choose the checkpoint,
+start the server or run the command."""
 
 from __future__ import annotations
 
@@ -43,6 +44,34 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="start the server", description=(
         "Start the decision server. Every flag overrides the environment variable named in its help."))
     add_setting_flags(serve)
+
+    calibrate = commands.add_parser("calibrate", help="fit a calibration on labelled JSONL", description=(
+        "Read each line's request through the engine the settings configure (as `djev serve` builds it, in "
+        "this process), record every read's raw label distribution, fit a calibration on the training share "
+        "of the lines and print ECE, Brier and log loss before and after on the held-out share, per bucket. "
+        "A line is {\"request\": <Jev body>, \"expected\": {<question id>: <answer>}}; docs/quality.md."))
+    calibrate.add_argument("data", type=Path, help="labelled JSONL")
+    calibrate.add_argument("--out", type=Path, required=True, help="the calibration file to write")
+    calibrate.add_argument("--held-out", type=float, default=0.3, help="share of lines held out (by a hash of the line)")
+    calibrate.add_argument("--min-id-labels", type=int, default=100,
+                           help="labels a question id needs for a bucket of its own")
+    calibrate.add_argument("--concurrency", type=int, default=8, help="decisions in flight at once")
+    add_setting_flags(calibrate)
+
+    evaluate = commands.add_parser("eval", help="score answers on labelled JSONL", description=(
+        "Ask each line's request of a running server (--url) or of the engine the settings configure in this "
+        "process (with CALIBRATION applied), and report ECE, Brier and log loss per bucket, how often a choice's "
+        "top answer changes with its options permuted, and (--out) the numbers as JSON and a reliability PNG."))
+    evaluate.add_argument("data", type=Path, help="labelled JSONL (the format of djev calibrate)")
+    evaluate.add_argument("--url", help="a running djev server, e.g. http://127.0.0.1:8011")
+    evaluate.add_argument("--out", type=Path, help="folder for eval.json and reliability.png")
+    evaluate.add_argument("--max-ece", type=float, help="exit 1 when the ECE over all questions is above this")
+    evaluate.add_argument("--permute", action=argparse.BooleanOptionalAction, default=True,
+                          help="ask every line again with its choice options shuffled (order robustness)")
+    evaluate.add_argument("--seed", type=int, default=0, help="seed of the option shuffles")
+    evaluate.add_argument("--timeout", type=float, default=120.0, help="seconds per request with --url")
+    evaluate.add_argument("--concurrency", type=int, default=8, help="decisions in flight at once")
+    add_setting_flags(evaluate)
 
     selftest = commands.add_parser("selftest", help="one decision end to end, printed; exit 1 on failure", description=(
         "Send the README's three-question decision to a running server (--url), or, without --url, build the "
@@ -123,4 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from app.selftest import run_selftest
 
         return run_selftest(settings, args.url, args.timeout)  # it reports every failure itself
+    if args.command == "calibrate":
+        from app.calibrate import run_calibrate
+
+        return run_calibrate(settings, args.data, args.out, args.held_out, args.min_id_labels, args.concurrency)
+    if args.command == "eval":
+        from app.calibrate import run_eval
+
+        return run_eval(settings, args.data, args.url, args.out, args.max_ece, args.permute, args.seed, args.timeout,
+                        args.concurrency)
     return serve(settings)
