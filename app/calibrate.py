@@ -87,7 +87,7 @@ class Prepared:
 class Answered:
     prepared: Prepared
     answers: dict[str, Any]  # qid -> the Jev answer
-    reads: dict[str, tuple[Question, list[tuple[float, ...]]]] = field(default_factory=dict)  # raw, shown order
+    reads: dict[str, list[tuple[Question, tuple[float, ...]]]] = field(default_factory=dict)  # raw, as shown
 
 
 def read_data(path: Path, held_out_share: float, report: DataReport) -> list[Line]:
@@ -188,10 +188,10 @@ class InProcess:
         from app.build import limits
 
         decision = prepared.decision if request is prepared.line.request else parse_decision(request, limits(self.settings))
-        reads: dict[str, tuple[Question, list[tuple[float, ...]]]] = {}
+        reads: dict[str, list[tuple[Question, tuple[float, ...]]]] = {}
 
         def observe(question: Question, probs: list[float]) -> list[float]:
-            reads.setdefault(question.qid, (question, []))[1].append(tuple(probs))
+            reads.setdefault(question.qid, []).append((question, tuple(probs)))
             return probs
 
         outcome = await self.decider.decide(decision, adjust=observe if self.record else None)
@@ -271,9 +271,15 @@ def items_from_reads(answered: Sequence[Answered]) -> list[Item]:
         for qid, label in result.prepared.labels.items():
             if qid not in result.reads:
                 continue  # skipped by ask_if: nothing was read
-            shown, reads = result.reads[qid]
             question = result.prepared.question(qid)
-            items.append(Item(qid, question.kind.name, shown.names, tuple(reads), shown_index(shown, question, label)))
+            by_order: dict[tuple[str, ...], list[tuple[float, ...]]] = {}
+            shown_as: dict[tuple[str, ...], Question] = {}
+            for shown, probs in result.reads[qid]:  # one order unless a debias mode shows several
+                by_order.setdefault(shown.names, []).append(probs)
+                shown_as[shown.names] = shown
+            for names, reads in by_order.items():
+                index = shown_index(shown_as[names], question, label)
+                items.append(Item(qid, question.kind.name, names, tuple(reads), index))
     return items
 
 

@@ -123,3 +123,21 @@ def test_the_command_line_runs_calibrate(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "run_calibrate", fake)
     assert cli.main(["calibrate", str(DATA), "--out", str(tmp_path / "c.json"), "--held-out", "0.5", "--canvas", "64"]) == 0
     assert seen == {"data": DATA, "out": tmp_path / "c.json", "held_out": 0.5, "canvas": 64}
+
+
+def test_reads_shown_in_several_orders_become_one_item_per_order():
+    import dataclasses
+
+    from app.calibrate import Answered, Prepared, items_from_reads
+    from app.decisions.labelled import Line
+
+    request = {"state": "x", "questions": {"team": {"type": "choice", "instructions": "Which?",
+                                                    "criteria": {"billing": None, "outage": None}}}}
+    decision = parse_decision(request, LIMITS)
+    question = decision.questions[0]
+    flipped = dataclasses.replace(question, alternatives=question.alternatives[::-1])
+    prepared = Prepared(Line(1, request, {"team": "outage"}, False), decision, {"team": 1})
+    answered = Answered(prepared, {}, {"team": [(question, (0.8, 0.2)), (flipped, (0.3, 0.7)), (question, (0.6, 0.4))]})
+    items = items_from_reads([answered])
+    assert [(i.names, i.reads, i.label) for i in items] == [
+        (("billing", "outage"), ((0.8, 0.2), (0.6, 0.4)), 1), (("outage", "billing"), ((0.3, 0.7),), 0)]
