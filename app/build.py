@@ -8,9 +8,11 @@ import os
 from pathlib import Path
 
 from app.config import Settings
+from app.decisions.calibration import Calibration, CalibrationError, FittedFor, read_calibration, tokenizer_fingerprint
 from app.decisions.limits import Limits
+from app.decisions.prompt import TEMPLATE_VERSION
 from app.decisions.reading import ReadSettings
-from app.engine.base import ReaderInfo, StartupProgress
+from app.engine.base import ChatTokenizer, ReaderInfo, StartupProgress
 
 log = logging.getLogger("djev")
 
@@ -247,3 +249,43 @@ def read_settings(settings: Settings, info: ReaderInfo | None = None) -> ReadSet
         max_thought_tokens=settings.limits.max_thought_tokens,
         debias_rotations=settings.decisions.debias_rotations,
     )
+
+
+def debias_mode(settings: Settings) -> str:
+    """The `debias` mode a request that sends none is read under (a calibration is fitted for one)."""
+    return settings.decisions.debias
+
+
+def load_calibration(settings: Settings) -> Calibration | None:
+    """The calibration file CALIBRATION names, read and checked for form (None when unset); a
+    CalibrationError naming the file when it is missing or malformed."""
+    path = settings.decisions.calibration
+    if not path:
+        return None
+    file = Path(path).expanduser()
+    try:
+        content = file.read_bytes()
+    except OSError as exc:
+        raise CalibrationError(f"calibration {path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        return read_calibration(content, file.name)
+    except CalibrationError as exc:
+        raise CalibrationError(f"calibration {path}: {exc}") from None
+
+
+def fitted_for(settings: Settings, info: ReaderInfo, tokenizer: ChatTokenizer) -> FittedFor:
+    """What a calibration fitted now, on this reader and these settings, is fitted for."""
+    return FittedFor(model=info.model, tokenizer=tokenizer_fingerprint(tokenizer), template_version=TEMPLATE_VERSION,
+                     canvas=settings.decisions.canvas, debias=debias_mode(settings))
+
+
+def check_calibration(calibration: Calibration | None, settings: Settings, info: ReaderInfo,
+                      tokenizer: ChatTokenizer) -> None:
+    """Refuse a calibration fitted for another model, tokenizer, template version, canvas or debias
+    mode, naming each that differs."""
+    if calibration is None:
+        return
+    differ = calibration.fitted_for.mismatches(fitted_for(settings, info, tokenizer))
+    if differ:
+        name = (calibration.source or {}).get("file") or "the calibration"
+        raise CalibrationError(f"calibration {name} does not fit what is served: {'; '.join(differ)}")

@@ -1,4 +1,5 @@
-"""`djev serve | selftest | tiny-model`: parse flags, build Settings, choose the checkpoint, start the server."""
+"""`djev serve | calibrate | eval | selftest | tiny-model`: parse flags, build Settings, choose the checkpoint,
+start the server or run the command."""
 
 from __future__ import annotations
 
@@ -20,24 +21,57 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag for every setting, overriding its environment variable."""
+    for _, f in setting_fields():
+        env = f.metadata["env"]
+        kind = field_kind(f)
+        if kind is bool:
+            parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{f.metadata['help']} (env {env})")
+        elif kind is tuple:  # a list setting: the flag repeats
+            parser.add_argument(_flag(f.name), dest=f.name, action="append", default=None,
+                                help=f"{f.metadata['help']} (env {env})")
+        else:
+            parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=None,
+                                help=f"{f.metadata['help']} (env {env}, default {f.default!r})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="djev", description="DiffusionGemma decision server (Jev /v1/systemone)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="start the server", description=(
         "Start the decision server. Every flag overrides the environment variable named in its help."))
-    for _, f in setting_fields():
-        env = f.metadata["env"]
-        kind = field_kind(f)
-        if kind is bool:
-            serve.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                               help=f"{f.metadata['help']} (env {env})")
-        elif kind is tuple:  # a list setting: the flag repeats
-            serve.add_argument(_flag(f.name), dest=f.name, action="append", default=None,
-                               help=f"{f.metadata['help']} (env {env})")
-        else:
-            serve.add_argument(_flag(f.name), dest=f.name, type=kind, default=None,
-                               help=f"{f.metadata['help']} (env {env}, default {f.default!r})")
+    add_setting_flags(serve)
+
+    calibrate = commands.add_parser("calibrate", help="fit a calibration on labelled JSONL", description=(
+        "Read each line's request through the engine the settings configure (as `djev serve` builds it, in "
+        "this process), record every read's raw label distribution, fit a calibration on the training share "
+        "of the lines and print ECE, Brier and log loss before and after on the held-out share, per bucket. "
+        "A line is {\"request\": <Jev body>, \"expected\": {<question id>: <answer>}}; docs/quality.md."))
+    calibrate.add_argument("data", type=Path, help="labelled JSONL")
+    calibrate.add_argument("--out", type=Path, required=True, help="the calibration file to write")
+    calibrate.add_argument("--held-out", type=float, default=0.3, help="share of lines held out (by a hash of the line)")
+    calibrate.add_argument("--min-id-labels", type=int, default=100,
+                           help="labels a question id needs for a bucket of its own")
+    calibrate.add_argument("--concurrency", type=int, default=8, help="decisions in flight at once")
+    add_setting_flags(calibrate)
+
+    evaluate = commands.add_parser("eval", help="score answers on labelled JSONL", description=(
+        "Ask each line's request of a running server (--url) or of the engine the settings configure in this "
+        "process (with CALIBRATION applied), and report ECE, Brier and log loss per bucket, how often a choice's "
+        "top answer changes with its options permuted, and (--out) the numbers as JSON and a reliability PNG."))
+    evaluate.add_argument("data", type=Path, help="labelled JSONL (the format of djev calibrate)")
+    evaluate.add_argument("--url", help="a running djev server, e.g. http://127.0.0.1:8011")
+    evaluate.add_argument("--out", type=Path, help="folder for eval.json and reliability.png")
+    evaluate.add_argument("--max-ece", type=float, help="exit 1 when the ECE over all questions is above this")
+    evaluate.add_argument("--permute", action=argparse.BooleanOptionalAction, default=True,
+                          help="ask every line again with its choice options shuffled (order robustness)")
+    evaluate.add_argument("--seed", type=int, default=0, help="seed of the option shuffles")
+    evaluate.add_argument("--timeout", type=float, default=120.0, help="seconds per request with --url")
+    evaluate.add_argument("--concurrency", type=int, default=8, help="decisions in flight at once")
+    add_setting_flags(evaluate)
 
     selftest = commands.add_parser("selftest", help="one decision end to end, printed; exit 1 on failure", description=(
         "Send the README's three-question decision to a running server (--url), or, without --url, build the "
@@ -64,22 +98,36 @@ def serve(settings: Settings, load: Callable[[StartupProgress], Reader] | None =
     through the hf engine's `hf_reader`, and is served exactly as `djev serve` serves; its
     `extra_routes` go to `create_app` as they are. A load that fails stops the server within
     seconds: 2 when no checkpoint was usable (the message says what to do), 1 otherwise (the log
-    says why)."""
-    from app.build import CheckpointError, build_reader, provisional_info, use_cache_dir
+    says why). A CALIBRATION file that is malformed, or fitted for another model than the one
+    loaded, is refused the same way, with exit status 2."""
+    from app.build import CheckpointError, build_reader, check_calibration, load_calibration, provisional_info, use_cache_dir
+    from app.decisions.calibration import CalibrationError
     from app.engine.starting import StartingReader
     from app.server import create_app, serve_app
 
+    try:
+        calibration = load_calibration(settings)  # a malformed file stops the start before any load
+    except CalibrationError as exc:
+        print(f"djev: {exc}", file=sys.stderr)
+        return 2
+    build = load or (lambda progress: build_reader(settings, progress))
+
+    def load_checked(progress: StartupProgress) -> Reader:
+        reader = build(progress)
+        check_calibration(calibration, settings, reader.info, reader.tokenizer)  # fitted for this model?
+        return reader
+
     for name, value in use_cache_dir(settings).items():  # before the load imports torch
         logging.getLogger("djev").info("cache: %s=%s", name, value)
-    starting = StartingReader(provisional_info(settings), load or (lambda progress: build_reader(settings, progress)))
-    app = create_app(settings, starting, extra_routes)
+    starting = StartingReader(provisional_info(settings), load_checked)
+    app = create_app(settings, starting, extra_routes, calibration)
     ssl = None
     if settings.server.tls_port:
         from app.tls import ensure_certificate
 
         ssl = ensure_certificate(Path(settings.server.cert_dir))
     status = asyncio.run(serve_app(app, settings, ssl))
-    if isinstance(starting.failure, CheckpointError):
+    if isinstance(starting.failure, (CheckpointError, CalibrationError)):
         print(f"djev: {starting.failure}", file=sys.stderr)
         return 2
     return status
@@ -104,4 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from app.selftest import run_selftest
 
         return run_selftest(settings, args.url, args.timeout)  # it reports every failure itself
+    if args.command == "calibrate":
+        from app.calibrate import run_calibrate
+
+        return run_calibrate(settings, args.data, args.out, args.held_out, args.min_id_labels, args.concurrency)
+    if args.command == "eval":
+        from app.calibrate import run_eval
+
+        return run_eval(settings, args.data, args.url, args.out, args.max_ece, args.permute, args.seed, args.timeout,
+                        args.concurrency)
     return serve(settings)

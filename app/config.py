@@ -86,6 +86,9 @@ class DecisionSettings:
         "or rotate+prior"))
     debias_rotations: int = field(default=8, metadata=_meta(
         "DEBIAS_ROTATIONS", "rotate reads at most this many shifts of a question's options (2 to 32)"))
+    calibration: str = field(default="", metadata=_meta(
+        "CALIBRATION", "a calibration file `djev calibrate` wrote, applied to every read before answers are formed "
+        "(refused at start if fitted for another model, tokenizer, template, canvas or debias mode); empty = none"))
 
     def problems(self) -> list[str]:
         problems = []

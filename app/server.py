@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from app.config import Settings
+from app.decisions.calibration import Calibration
 from app.engine.base import Reader
 from app.engine.starting import StartingReader
 from app.web import health, openai, pages, raw, stream, systemone
@@ -35,8 +36,9 @@ log = logging.getLogger("djev")
 FAILED_START_LINGER_S = 2.0
 
 
-def create_app(settings: Settings, reader: Reader, extra_routes: list | None = None) -> Starlette:
-    services = Services.build(settings, reader)
+def create_app(settings: Settings, reader: Reader, extra_routes: list | None = None,
+               calibration: Calibration | None = None) -> Starlette:
+    services = Services.build(settings, reader, calibration)
     services.metrics.watch(services)
 
     async def load_behind_the_listener(starting: StartingReader) -> None:

@@ -56,6 +56,7 @@ def assemble(
     chain_thought_tokens: int,
     engine: str,
     seconds: float,
+    calibration: dict | None = None,
 ) -> Outcome:
     by_question = {q.qid: g for g in groups for q in g.questions}
     asked = decision.asked()
@@ -110,6 +111,7 @@ def assemble(
         "questions": {qid: e.diagnostics() for g in groups for qid, e in g.estimates.items()},
         "format": plan.fmt,
         "engine": engine,
+        "calibration": calibration,
     }
     if not decision.debias.off:
         diagnostics["debias"] = cost_json(decision.debias.mode, [g.cost for g in groups if g.cost is not None])

@@ -12,6 +12,11 @@ from app.decisions.questions import Question
 from app.decisions.template import REPLY_INSTRUCTION
 from app.engine.base import ChatTokenizer
 
+# The version of what a read's label distributions depend on besides the model: the question sheet's
+# wording, the answer formats and the labels (docs/design.md §3.1-§3.3). A fitted calibration records
+# it, and a server refuses a calibration of another version: bump it when any of them changes.
+TEMPLATE_VERSION = "1"
+
 HEADER = (
     "Answer a fixed set of questions about the state the user provides. Each question lists its "
     "allowed answers; reply with exactly one label per question."

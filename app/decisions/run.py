@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from app.decisions.calibration import Calibration
 from app.decisions.canvas import Canvas, build_canvas
 from app.decisions.debias import (
     PRIOR_DRAWS,
@@ -58,10 +59,11 @@ class Decider:
     """Runs decisions for one reader. Holds the template and label caches for the reader's tokenizer.
 
     `offload(fn, *args)` runs synchronous work off the event loop (default: `asyncio.to_thread`;
-    the server passes its own bounded pool)."""
+    the server passes its own bounded pool). `calibration`, when given, changes every read before
+    its answers are formed (a fitted calibration, `djev serve --calibration`)."""
 
     def __init__(self, reader: Reader, settings: ReadSettings, templates: Templates | None = None,
-                 offload: Offload | None = None) -> None:
+                 offload: Offload | None = None, calibration: Calibration | None = None) -> None:
         self.reader = reader
         self.settings = settings
         self.tokenizer = reader.tokenizer
@@ -70,13 +72,29 @@ class Decider:
         self.prompts = ChatPrompts(reader.tokenizer, settings.thought_in_prompt)
         self.priors = PriorCache()  # `debias` with `prior`: each sheet's content-free read
         self.offload: Offload = offload or asyncio.to_thread
+        self.calibration = calibration
 
-    async def decide(self, decision: Decision, plan: Plan | None = None) -> Outcome:
+    async def decide(self, decision: Decision, plan: Plan | None = None, adjust: Adjust | None = None) -> Outcome:
         """Run a decision; `plan` is `self.plan(decision)` when the caller already made it (the
-        server plans in its worker pool to price the decision before admitting it)."""
+        server plans in its worker pool to price the decision before admitting it). `adjust`, when
+        given, is every read's adjustment in place of the calibration (`djev calibrate` records the
+        raw reads with one that changes nothing)."""
         if plan is None:
             plan = await self.offload(self.plan, decision)
-        return await _Run(self, decision, plan).run()
+        calibration = None if adjust is not None else self.calibration_for(decision)
+        if calibration is not None:
+            adjust = calibration.adjust
+        return await _Run(self, decision, plan, adjust, calibration.identity() if calibration else None).run()
+
+    def calibration_for(self, decision: Decision) -> Calibration | None:
+        """The calibration that applies to this decision: the server's, when the decision is read
+        in the option order it was fitted under (a request may ask for another debias mode)."""
+        calibration = self.calibration
+        if calibration is None:
+            return None
+        if decision.debias.mode != calibration.fitted_for.debias:
+            return None
+        return calibration
 
     # ------------------------------------------------------------------ planning (synchronous)
 
@@ -179,14 +197,18 @@ class _Run:
     stages read of earlier ones. Prompts come from `GroupPrompts`, reads from `Draws`. Under
     `debias` each group is read in every view (listing) of its sheet and mapped back (`combined`)."""
 
-    def __init__(self, decider: Decider, decision: Decision, plan: Plan) -> None:
+    def __init__(self, decider: Decider, decision: Decision, plan: Plan, adjust: Adjust | None = None,
+                 calibration: dict | None = None) -> None:
         self.decider = decider
         self.d = decision
         self.plan = plan
         self.offload: Offload = inline if plan.small else decider.offload
         self.by_id = {q.qid: q for q in decision.questions}
-        self.draws = Draws(decider.reader, self.offload, decision.seed, decision.steps, decider.tokenizer.vocab_size)
-        self.prior_draws = dataclasses.replace(self.draws, seed=PRIOR_SEED)
+        self.draws = Draws(decider.reader, self.offload, decision.seed, decision.steps, decider.tokenizer.vocab_size,
+                           adjust)
+        # the label prior is the content-free read as it is: the calibration acts after it is divided out
+        self.prior_draws = dataclasses.replace(self.draws, seed=PRIOR_SEED, adjust=None)
+        self.calibration = calibration  # what diagnostics say of the calibration applied: its file and hash
         self.answered: dict[str, str | None] = {}  # qid -> the chosen alternative's name; None = skipped
         self.skipped: dict[str, Skip] = {}
         self.stages_read: list[list[str]] = []
@@ -246,7 +268,7 @@ class _Run:
         thought, thought_tokens = self.chain_thought()
         return await self.offload(
             assemble, self.d, self.plan, self.done, self.skipped, self.stages_read, thought, thought_tokens,
-            self.decider.reader.info.engine, time.monotonic() - started,
+            self.decider.reader.info.engine, time.monotonic() - started, self.calibration,
         )
 
     def chain_thought(self) -> tuple[dict | list | None, int]:

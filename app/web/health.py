@@ -52,6 +52,7 @@ async def health(request: Request) -> Response:
         "in_flight_cost": svc.admission.cost,
         "sessions": len(svc.sessions),
         "uptime_s": round(time.time() - svc.started, 1),
+        "calibration": svc.calibration.identity() if svc.calibration is not None else None,
     }
     if info.tiny:
         body["warning"] = "tiny random-weight model: every answer is random"

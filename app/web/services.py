@@ -21,8 +21,9 @@ from typing import Any, Callable, TypeVar
 import anyio
 from starlette.requests import HTTPConnection
 
-from app.build import limits, read_settings
+from app.build import check_calibration, limits, load_calibration, read_settings
 from app.config import Settings
+from app.decisions.calibration import Calibration
 from app.decisions.limits import Limits
 from app.decisions.plan import Plan
 from app.decisions.request import Decision
@@ -52,6 +53,7 @@ class Services:
     admission: Admission
     pacer: Pacer  # camera sessions: the capacity estimate, admission by load, each session's pace
     workers: anyio.CapacityLimiter  # the pool the decider offloads to as well (build)
+    calibration: Calibration | None = None  # CALIBRATION's fit, applied to every read
     started: float = field(default_factory=time.time)
     sessions: dict[str, Any] = field(default_factory=dict)  # open /v1/stream sessions by id
     metrics: Metrics = field(default_factory=Metrics)  # this app's own registry (/metrics)
@@ -62,7 +64,11 @@ class Services:
         self.metrics.paced(self.pacer.capacity, self.pacer.pace, self.pacer.next_frame_ms())
 
     @classmethod
-    def build(cls, settings: Settings, reader: Reader) -> "Services":
+    def build(cls, settings: Settings, reader: Reader, calibration: Calibration | None = None) -> "Services":
+        """`calibration`: CALIBRATION's, already read (`djev serve` reads it before the load); else
+        read here. One fitted for another model than the reader's is a CalibrationError."""
+        if calibration is None:
+            calibration = load_calibration(settings)
         built = cls(
             settings=settings,
             limits=limits(settings),
@@ -70,6 +76,7 @@ class Services:
             admission=Admission(settings.limits.max_inflight, settings.limits.max_inflight_cost),
             pacer=Pacer(pacing_rules(settings)),
             workers=anyio.CapacityLimiter(WORKER_THREADS),
+            calibration=calibration,
         )
         try:
             built._decider = built._new_decider(reader)
@@ -98,8 +105,9 @@ class Services:
 
     def _new_decider(self, reader: Reader) -> Decider:
         # The decider plans in the same bounded pool as parsing and validation.
+        check_calibration(self.calibration, self.settings, reader.info, reader.tokenizer)
         return Decider(reader, read_settings(self.settings, reader.info),
-                       offload=functools.partial(_offload_in, self.workers))
+                       offload=functools.partial(_offload_in, self.workers), calibration=self.calibration)
 
     async def prepare(self, fn: Callable[..., T], body_bytes: int, *args: Any) -> T:
         """`fn(*args)` for a request body of `body_bytes`: inline for a small plain body (its work is
