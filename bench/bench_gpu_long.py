@@ -94,15 +94,19 @@ async def in_process(args: argparse.Namespace, settings: Any, states: list[str],
             resting = torch.cuda.memory_allocated() if on_cuda else 0
             if on_cuda:
                 torch.cuda.reset_peak_memory_stats()
-            times = []
+            times, peaks = [], []
             for _ in range(2):  # cold, then warm
                 started = time.perf_counter()
                 outcome = await services.decider.decide(parse_decision(body_of(state), services.limits))
                 times.append(time.perf_counter() - started)
-            peak = (torch.cuda.max_memory_allocated() - resting) / 2**30 if on_cuda else 0.0
+                if on_cuda:
+                    peaks.append(round((torch.cuda.max_memory_allocated() - resting) / 2**30, 2))
+                    torch.cuda.reset_peak_memory_stats()
+            peak = max(peaks, default=0.0)
             delta = {name: reader.stats.get(name, 0) - before.get(name, 0) for name in counters}
             rows.append({"size": size, "prompt_tokens": outcome.input_tokens, "cold_s": round(times[0], 3),
                          "warm_s": round(times[1], 3), "peak_over_resting_gib": round(peak, 2),
+                         "peak_cold_warm_gib": peaks,
                          "chunks": delta.pop("encoder_chunks"), **delta})
             print(f"  in process {size}: {rows[-1]}", flush=True)
         naive = {}

@@ -25,7 +25,7 @@ from app.engine.hf.pixels import Resized
 
 if TYPE_CHECKING:
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig
-    from transformers.cache_utils import Cache, DynamicCache
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
     from transformers.image_processing_utils import BaseImageProcessor
 
     from app.engine.hf.graphs.encoder import EncoderGraphs
@@ -67,18 +67,79 @@ def cache_kv(cache: Cache) -> Layers:
     return layers
 
 
+# A chunk's time grows with the earlier tokens its full-attention layers read: on the H200 a 2048-token
+# chunk took ~100 ms at the start of a prompt and ~360 ms past 100k tokens, where the attention of a
+# token to ~38k earlier ones costs about as much as the rest of its layers (docs/benchmarks.md, long
+# states). So a chunk is shortened as the prompt grows, to about CHUNK_TURN x a first chunk's time:
+# a long prompt's turn never holds the other reads much longer than a short prompt's.
+CHUNK_KEY_TOKENS = 38_000
+CHUNK_TURN = 2.0
+CHUNK_ALIGN = 128
+
+
+def chunk_length(start: int, prefill_chunk: int) -> int:
+    """How many tokens the chunk at `start` encodes: `prefill_chunk` while the prompt is short, then
+    fewer, in multiples of CHUNK_ALIGN (never fewer than one multiple, nor more than `prefill_chunk`)."""
+    budget = prefill_chunk * CHUNK_TURN * CHUNK_KEY_TOKENS / (CHUNK_KEY_TOKENS + start)
+    if budget >= prefill_chunk:
+        return prefill_chunk
+    return min(prefill_chunk, max(CHUNK_ALIGN, int(budget) // CHUNK_ALIGN * CHUNK_ALIGN))
+
+
+def chunk_bounds(length: int, prefill_chunk: int) -> list[tuple[int, int]]:
+    """The (start, end) of each chunk of a `length`-token prompt's encoding."""
+    bounds, start = [], 0
+    while start < length:
+        end = min(length, start + chunk_length(start, prefill_chunk))
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def prompt_layer(length: int) -> CacheLayerMixin:
+    """A full-attention cache layer for a prompt of `length` tokens encoded in chunks: its keys and
+    values are written into buffers of the whole prompt's size, laid out as `copy_rows` leaves KV,
+    instead of concatenated anew for every chunk. The filled buffers are the encoded prompt's KV as
+    they are: no chunk holds the KV twice, and nothing is copied at the end."""
+    from transformers.cache_utils import DynamicLayer
+
+    from app.engine.hf.graphs.encoder import token_major
+
+    class PromptLayer(DynamicLayer):
+        filled = 0
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+                   **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.dtype, self.device = key_states.dtype, key_states.device
+                rows, heads, _, dim = key_states.shape
+                self.key_buffer = token_major(key_states.new_empty((rows, heads, length, dim)))
+                self.value_buffer = token_major(value_states.new_empty((rows, value_states.shape[1], length,
+                                                                        value_states.shape[3])))
+                self.is_initialized = True
+            end = self.filled + key_states.shape[2]
+            self.key_buffer[:, :, self.filled:end].copy_(key_states)
+            self.value_buffer[:, :, self.filled:end].copy_(value_states)
+            self.filled = end
+            self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+            return self.keys, self.values
+
+    return PromptLayer()
+
+
 def copy_layers(cache: Cache) -> Layers:
-    """A filled cache's layers copied as `copy_rows` lays them out, one layer at a time, each layer's
-    own tensors let go as soon as it is copied: a long prompt's KV is held twice for one layer at
-    most, not for all of them (a 110k-token prompt's full-attention layers hold ~2.3 GB)."""
+    """A filled cache's layers as `copy_rows` lays them out: a `prompt_layer`'s as they are, the
+    others copied one layer at a time, each layer's own tensors let go as soon as it is copied."""
     from transformers.cache_utils import CacheLayerMixin
 
     layers: Layers = []
     for layer in cache.layers:
         if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
             raise TypeError(f"a cache layer without keys and values: {type(layer).__name__}")
-        (copied,) = copy_rows([[(layer.keys, layer.values)]])
-        layers.extend(copied)
+        if hasattr(layer, "key_buffer"):
+            layers.append((layer.keys, layer.values))
+        else:
+            layers.extend(copy_rows([[(layer.keys, layer.values)]])[0])
         layer.keys = layer.values = None
     return layers
 
@@ -696,37 +757,46 @@ class PromptEncodingMixin:
         return copy_rows(rows)  # laid out as the encoder graphs leave KV (prompt_graphs.py)
 
     def encode_steps(self, prompt: Prompt, preprocessed: Preprocessed | None = None) -> Generator[None, None, EncodedPrompt]:
-        """A long prompt's KV encoded in chunks of `prefill_chunk` tokens, each chunk one encoder pass
-        over the KV of the chunks before it (the sliding-window layers keep their window), with a
-        yield between two chunks so other reads run between them; stored in the LRU like any other
-        prompt. Its images (ahead of the text) go through the vision tower first."""
+        """A long prompt's KV encoded in chunks of up to `prefill_chunk` tokens (shorter as the prompt
+        grows: `chunk_length`), each chunk one encoder pass over the KV of the chunks before it (the
+        full-attention layers written into the prompt's own buffers, `prompt_layer`; the
+        sliding-window layers keep their window), with a yield between two chunks so other reads run
+        between them; stored in the LRU like any other prompt. Its images (ahead of the text) go through
+        the vision tower first."""
         key = prompt.cache_key
         cached = self.prompts.get(key)
         if cached is not None:
             self.stats["kv_hits"] += 1
             return cached
         encoder = self.model.model.encoder
+        embed = encoder.get_input_embeddings()
         with torch.no_grad():
-            if prompt.images:
+            if prompt.images:  # the image features merged into the whole prompt's embeddings first
                 inputs = self.model_inputs(prompt, reuse_vision=True, preprocessed=preprocessed)
                 self._image_features([inputs], [key[1]])
-                embeds = self.input_embeds(inputs)
-            else:
-                if len(prompt.ids) > self.max_prompt_tokens:
-                    raise self._too_long(len(prompt.ids))
-                ids = torch.tensor([prompt.ids], dtype=torch.long, device=self.device)
-                embeds = encoder.get_input_embeddings()(ids)[0]
-        length = int(embeds.shape[0])
+                whole = self.input_embeds(inputs)
+                length = int(whole.shape[0])
+
+                def embeds_of(start: int, end: int) -> torch.Tensor:
+                    return whole[None, start:end]
+            else:  # text alone: each chunk's embeddings as it comes (a 110k prompt's whole are 0.6 GB)
+                length = len(prompt.ids)
+                ids = torch.tensor([prompt.ids[:self.max_prompt_tokens]], dtype=torch.long, device=self.device)
+
+                def embeds_of(start: int, end: int) -> torch.Tensor:
+                    return embed(ids[:, start:end])
         if length > self.max_prompt_tokens:
             raise self._too_long(length)
         cache = self._new_cache()
-        for start in range(0, length, self.prefill_chunk):
+        for index, layer in enumerate(cache.layers):
+            if not getattr(layer, "is_sliding", True):
+                cache.layers[index] = prompt_layer(length)
+        for start, end in chunk_bounds(length, self.prefill_chunk):
             if start:
                 yield  # between two chunks: other work may run
-            end = min(length, start + self.prefill_chunk)
             with torch.no_grad():
                 positions = torch.arange(start, end, device=self.device).unsqueeze(0)
-                encoder.language_model(inputs_embeds=embeds[None, start:end], position_ids=positions,
+                encoder.language_model(inputs_embeds=embeds_of(start, end), position_ids=positions,
                                        attention_mask=CHUNK_MASKS if start else None, past_key_values=cache)
             self.stats["encoder_passes"] += 1
             self.stats["encoder_chunks"] += 1

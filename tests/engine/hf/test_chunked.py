@@ -189,3 +189,31 @@ def test_chunk_attention_matches_attention_under_the_full_mask(window, past):
     got = chunk_attention(queries, keys, values, 0.5, window)
     assert got.shape == (1, tokens, heads, dim)
     assert torch.allclose(got.transpose(1, 2), expected, atol=1e-5)
+
+
+def test_chunks_shorten_as_the_prompt_grows_and_cover_it_exactly():
+    from app.engine.hf.prompts import CHUNK_ALIGN, chunk_bounds, chunk_length
+
+    assert chunk_length(0, 2048) == 2048 and chunk_length(30_000, 2048) == 2048  # short prompts: the setting
+    assert chunk_length(100_000, 2048) == 1024  # 2048 x 2 x 38k / 138k = 1128, in 128s
+    lengths = [chunk_length(start, 2048) for start in range(0, 131_072, 4096)]
+    assert lengths == sorted(lengths, reverse=True) and min(lengths) >= CHUNK_ALIGN
+    assert chunk_length(10**9, 2048) == CHUNK_ALIGN and chunk_length(0, 16) == 16
+    bounds = chunk_bounds(110_119, 2048)
+    assert bounds[0] == (0, 2048) and bounds[-1][1] == 110_119
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert 54 < len(bounds) < 80  # a few more turns than 54 equal chunks, each bounded in time
+
+
+@torch.no_grad()
+def test_a_chunked_prompt_keeps_its_full_attention_kv_in_its_own_buffers(tiny_dir, tokenizer):
+    """No copy at the end and no oversized buffers: each full-attention layer's keys fill a
+    token-major buffer of exactly the prompt's length."""
+    runner = make_tiny_reader(tiny_dir, prefill_chunk=48).runner
+    spec = long_spec(tokenizer)
+    encoded = run_steps(runner.encode_steps(spec.prompt))
+    full = [keys for keys, _ in encoded.layers if keys.shape[2] == encoded.length]
+    assert full  # the tiny model has full-attention layers
+    for keys in full:
+        assert keys.untyped_storage().nbytes() == keys.numel() * keys.element_size()
+        assert keys.stride(2) == keys.shape[1] * keys.shape[3]  # token-major, as copy_rows lays KV out
