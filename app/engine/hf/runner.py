@@ -41,6 +41,7 @@ from app.engine.hf.sampler import sample_step, softcap, temperature_at
 
 if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.cache_utils import DynamicLayer
     from transformers.image_processing_utils import BaseImageProcessor
 
     from app.engine.hf.graphs.decoder import DecoderGraphs
@@ -67,6 +68,17 @@ SLOT_CHUNK = 256
 
 
 Result = TypeVar("Result")
+
+
+def held_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
+    """A cache layer holding `keys` and `values` as they are (`DynamicCache.update` would copy them
+    once more, concatenated onto nothing)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layer = DynamicLayer()
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    return layer
 
 
 def run_steps(steps: Generator[None, None, Result]) -> Result:
@@ -226,10 +238,13 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         for layer_index, layer_type in enumerate(self.layer_types):
             keys = [encoded.layers[layer_index][0] for encoded, _ in rows]
             values = [encoded.layers[layer_index][1] for encoded, _ in rows]
-            longest = max(k.shape[2] for k in keys)
-            padded_keys = torch.cat([F.pad(k, (0, 0, longest - k.shape[2], 0)) for k in keys])
-            padded_values = torch.cat([F.pad(v, (0, 0, longest - v.shape[2], 0)) for v in values])
-            stacked.update(padded_keys, padded_values, layer_index)
+            if len(rows) == 1:  # one row reads its prompt's KV as it is: no copy of a long prompt's
+                padded_keys, padded_values = keys[0], values[0]
+            else:
+                longest = max(k.shape[2] for k in keys)
+                padded_keys = torch.cat([F.pad(k, (0, 0, longest - k.shape[2], 0)) for k in keys])
+                padded_values = torch.cat([F.pad(v, (0, 0, longest - v.shape[2], 0)) for v in values])
+            stacked.layers.append(held_layer(padded_keys, padded_values))
             lengths_by_type.setdefault(layer_type, [k.shape[2] for k in keys])
 
         masks = {}
