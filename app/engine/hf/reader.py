@@ -53,6 +53,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("djev.engine")
 
+# A turn of the engine thread longer than this is logged and counted (`slow_turns`): app/engine/base.py's
+# scheduling contract keeps every turn short (a chunk of a long prompt, one pass of a read).
+SLOW_TURN_S = 0.5
+
 
 @dataclass(frozen=True)
 class HFOptions:
@@ -555,7 +559,11 @@ class HFReader:
             for job in jobs:
                 self._fail(job, failure)
             return False, None
-        self._settle_if_built(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._settle_if_built(seconds)
+        if seconds > SLOW_TURN_S:  # the scheduling contract bounds a turn: say which work broke it
+            self.runner.stats["slow_turns"] += 1
+            log.warning("an engine turn took %.0f ms: %s for %d request(s)", seconds * 1000, work, len(jobs))
         return True, value
 
     @staticmethod

@@ -439,3 +439,26 @@ def test_batches_are_shared_fairly_among_callers():
     assert len(lone) <= 11 and all(len(tags) == 4 for tags in lone[1:])  # full batches (the first may go alone)
     flat = [tag for tags in batches for tag in tags if 100 <= tag < 140]
     assert flat == sorted(flat)  # one caller's reads keep their order
+
+
+def test_a_turn_past_the_slow_bound_is_logged_and_counted(monkeypatch, caplog):
+    import app.engine.hf.reader as reader_module
+
+    monkeypatch.setattr(reader_module, "SLOW_TURN_S", 0.04)
+    runner = FakeRunner(delay=0.06)
+    reader = make_reader(runner)
+
+    async def scenario():
+        await reader.start()
+        await reader.read([spec(1)])
+        await reader.stop()
+
+    with caplog.at_level("WARNING", logger="djev.engine"):
+        run(scenario())
+    assert runner.stats["slow_turns"] == 1
+    assert any("an engine turn took" in r.message and "a read batch for 1 request" in r.message for r in caplog.records)
+    monkeypatch.setattr(reader_module, "SLOW_TURN_S", 10.0)
+    runner = FakeRunner(delay=0.01)
+    reader = make_reader(runner)
+    run(scenario())
+    assert runner.stats["slow_turns"] == 0
