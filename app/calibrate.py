@@ -209,6 +209,7 @@ class OverHTTP:
         self.client = httpx.AsyncClient(timeout=timeout, headers=headers, verify=False)
 
     async def __aenter__(self) -> "OverHTTP":
+        await self.client.get(self.url + "/health")  # unreachable: one clear error, not one a line
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -253,13 +254,18 @@ def print_table(title: str, buckets: dict, out: TextIO) -> None:
         print(f"  {key:<14} {before['count']:>6}  {pair('ece'):>15}  {pair('brier'):>15}  {pair('log_loss'):>15}", file=out)
 
 
+# Lines of each kind of problem printed before the rest are only counted (all are in eval.json).
+SHOWN_PROBLEMS = 20
+
+
 def print_problems(report: DataReport, out: TextIO) -> None:
-    for message in report.malformed:
-        print(f"malformed: {message}", file=out)
+    for label, messages in (("malformed", report.malformed), ("skipped", report.problems)):
+        for message in messages[:SHOWN_PROBLEMS]:
+            print(f"{label}: {message}", file=out)
+        if len(messages) > SHOWN_PROBLEMS:
+            print(f"{label}: ... and {len(messages) - SHOWN_PROBLEMS} more line(s)", file=out)
     for kind, count in sorted(report.unknown_kinds.items()):
         print(f"unknown question kind {kind!r}: {count} question(s) left out", file=out)
-    for message in report.problems:
-        print(f"skipped: {message}", file=out)
 
 
 # ------------------------------------------------------------------------------------ calibrate
@@ -286,7 +292,7 @@ def items_from_reads(answered: Sequence[Answered]) -> list[Item]:
 def run_calibrate(settings: Settings, data: Path, out_path: Path, held_out_share: float = DEFAULT_HELD_OUT,
                   min_id_labels: int = 100, concurrency: int = DEFAULT_CONCURRENCY, stream: TextIO | None = None,
                   reader: Reader | None = None) -> int:
-    from app.build import fitted_for
+    from app.build import CheckpointError, fitted_for
 
     out: TextIO = stream or sys.stdout
     report = DataReport()
@@ -303,7 +309,11 @@ def run_calibrate(settings: Settings, data: Path, out_path: Path, held_out_share
                                      "calibrate", report)
             return answered, fitted_for(settings, engine.reader.info, engine.reader.tokenizer)
 
-    answered, meta = asyncio.run(go())
+    try:
+        answered, meta = asyncio.run(go())
+    except (CalibrationError, CheckpointError) as exc:
+        print(f"djev: {exc}", file=sys.stderr)
+        return 2
     train_lines, test_lines = split([a.prepared.line for a in answered])
     train_numbers = {line.number for line in train_lines}
     test_numbers = {line.number for line in test_lines}
@@ -368,8 +378,15 @@ def order_changes(original: Sequence[Answered], permuted_answers: Sequence[Answe
 def run_eval(settings: Settings, data: Path, url: str | None = None, out_dir: Path | None = None,
              max_ece: float | None = None, permute: bool = True, seed: int = 0, timeout: float = 120.0,
              concurrency: int = DEFAULT_CONCURRENCY, stream: TextIO | None = None, reader: Reader | None = None) -> int:
+    from app.build import CheckpointError
     from app.decisions.calibration import ID_BUCKET_LABELS
     from app.reliability import draw_reliability
+
+    unreachable: tuple[type[Exception], ...] = ()
+    if url:
+        import httpx
+
+        unreachable = (httpx.TransportError,)
 
     out: TextIO = stream or sys.stdout
     report = DataReport()
@@ -395,8 +412,11 @@ def run_eval(settings: Settings, data: Path, url: str | None = None, out_dir: Pa
 
     try:
         answered, again, calibration = asyncio.run(go())
-    except CalibrationError as exc:
+    except (CalibrationError, CheckpointError) as exc:
         print(f"djev: {exc}", file=sys.stderr)
+        return 2
+    except unreachable as exc:
+        print(f"djev: {url} cannot be reached ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
     items = items_from_answers(answered)
     print_problems(report, sys.stderr)

@@ -102,3 +102,36 @@ def test_nothing_usable_is_an_error(tokenizer, tmp_path, capsys):
     data.write_text("{nope\n")
     assert run_eval(Settings(), data, reader=ScriptedReader(tokenizer)) == 2
     assert "no usable labelled question in 1 line(s)" in capsys.readouterr().err
+
+
+def test_eval_against_a_server_that_is_not_there_is_one_clear_error(tmp_path, capsys):
+    from tests.conftest import free_port
+
+    data = Path(__file__).parent / "data" / "labelled_small.jsonl"
+    status = run_eval(Settings(), data, url=f"http://127.0.0.1:{free_port()}", out_dir=tmp_path)
+    err = capsys.readouterr().err
+    assert status == 2 and "cannot be reached" in err and err.count("\n") == 1
+    assert not (tmp_path / "eval.json").exists()
+
+
+def test_calibrate_with_no_usable_checkpoint_says_so_without_a_traceback(tmp_path, capsys):
+    from app.calibrate import run_calibrate
+
+    data = Path(__file__).parent / "data" / "labelled_small.jsonl"
+    status = run_calibrate(Settings.of(model=str(tmp_path / "missing")), data, tmp_path / "cal.json")
+    err = capsys.readouterr().err
+    assert status == 2 and "no checkpoint directory there" in err and "Traceback" not in err
+    assert not (tmp_path / "cal.json").exists()
+
+
+def test_many_failed_lines_are_printed_up_to_a_bound_and_counted():
+    import io
+
+    from app.calibrate import SHOWN_PROBLEMS, DataReport, print_problems
+
+    report = DataReport()
+    report.problems.extend(f"line {n}: refused" for n in range(1, SHOWN_PROBLEMS + 6))
+    out = io.StringIO()
+    print_problems(report, out)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == SHOWN_PROBLEMS + 1 and lines[-1] == "skipped: ... and 5 more line(s)"
