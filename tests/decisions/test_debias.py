@@ -248,8 +248,7 @@ def run_on(reader, bodies: list[dict], settings=SMALL) -> list:
 
 
 def test_canonical_gives_the_same_probabilities_for_every_order(tiny_reader):
-    every = list(itertools.permutations(FIVE))
-    orders = every[::6] + [every[-1]]  # 21 of the 120, the caller's reverse among them
+    orders = list(itertools.permutations(FIVE))  # all 120, the caller's reverse among them
     bodies = [one_choice({name: FIVE[name] for name in order}, debias="canonical") for order in orders]
     nouls = [{"state": TICKET, "questions": {"u": {"type": "noul", "instructions": "Urgent?", "criteria": criteria}},
               "samples": 1, "debias": "canonical"}
