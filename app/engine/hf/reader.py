@@ -56,6 +56,7 @@ log = logging.getLogger("djev.engine")
 # A turn of the engine thread longer than this is logged and counted (`slow_turns`): app/engine/base.py's
 # scheduling contract keeps every turn short (a chunk of a long prompt, one pass of a read).
 SLOW_TURN_S = 0.5
+SLOW_GC_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,29 @@ def settle_heap() -> None:
     is loaded and warmed up (they stay alive for good, so cyclic garbage of the start-up stays too:
     a few objects, once). Cheap; counting what it set aside (`gc.get_freeze_count`) walks them all."""
     gc.freeze()
+
+
+class CollectorWatch:
+    """Times the garbage collector's full passes into `stats` (`gc_full_passes`, `gc_full_ms`) and
+    logs one past SLOW_GC_S: a full pass stops every thread, the engine's included, so a stall that
+    no engine turn explains shows here. Registered while the reader runs."""
+
+    def __init__(self, stats: Counter[str]) -> None:
+        self.stats = stats
+        self.started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self.started
+        self.stats["gc_full_passes"] += 1
+        self.stats["gc_full_ms"] += round(seconds * 1000)
+        if seconds > SLOW_GC_S:
+            log.warning("a full pass of the garbage collector took %.0f ms (%s objects collected)",
+                        seconds * 1000, info.get("collected"))
 
 
 def compile_counts(runner: DiffusionRunner) -> tuple[int, int, int]:
@@ -152,6 +176,7 @@ class _ReadJob:
         self.images = images
         self.heavy = heavy
         self.program: Generator[None, None, list[ReadResult | Exception]] | None = None
+        self.turns = 0  # the steps of `program` run so far
 
     @property
     def dropped(self) -> bool:
@@ -203,6 +228,7 @@ class HFReader:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._collector: CollectorWatch | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._busy = False  # the last read batch served several callers, or more were waiting
         self._last_rows = 0  # canvases in the last read batch: the callers likely to come back under load
@@ -236,6 +262,8 @@ class HFReader:
                 raise RuntimeError("this reader already runs in another event loop; give each app its own reader")
             return
         self._event_loop = loop
+        self._collector = CollectorWatch(self.runner.stats)
+        gc.callbacks.append(self._collector)
         self._compiled = compile_counts(self.runner)
         for name in AFTER_READY:
             self.runner.stats[name] += 0  # exported from the first scrape on, at 0
@@ -254,6 +282,8 @@ class HFReader:
     async def stop(self) -> None:
         task, self._task = self._task, None
         self._event_loop = None
+        if self._collector is not None and self._collector in gc.callbacks:
+            gc.callbacks.remove(self._collector)
         if task is not None:
             task.cancel()
             try:
@@ -505,7 +535,8 @@ class HFReader:
         back in line; its results once the last step is done."""
         if job.program is None:
             job.program = self.runner.read_steps(job.specs, self._release(job))
-        ok, step = await self._engine_turn(loop, [job], "a heavy read", advance_read, job.program)
+        job.turns += 1
+        ok, step = await self._engine_turn(loop, [job], f"step {job.turns} of a heavy read", advance_read, job.program)
         if not ok or step is None:
             job.program = None
             return

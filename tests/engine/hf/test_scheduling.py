@@ -462,3 +462,21 @@ def test_a_turn_past_the_slow_bound_is_logged_and_counted(monkeypatch, caplog):
     reader = make_reader(runner)
     run(scenario())
     assert runner.stats["slow_turns"] == 0
+
+
+def test_the_collectors_full_passes_are_timed_while_the_reader_runs():
+    import gc
+
+    runner = FakeRunner()
+    reader = make_reader(runner)
+
+    async def scenario():
+        await reader.start()
+        gc.collect()
+        gc.collect(1)  # a younger generation's pass is not counted
+        await reader.stop()
+
+    run(scenario())
+    assert runner.stats["gc_full_passes"] == 1 and runner.stats["gc_full_ms"] >= 0
+    gc.collect()  # after stop: no longer watched
+    assert runner.stats["gc_full_passes"] == 1
