@@ -77,6 +77,19 @@ CHUNK_TURN = 2.0
 CHUNK_ALIGN = 128
 
 
+# Image prompts encoded whole kept as sources per set of images (a frame's stages, a few sessions').
+IMAGE_SOURCES = 4
+
+
+def common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids `a` and `b` share."""
+    n = min(len(a), len(b))
+    for index in range(n):
+        if a[index] != b[index]:
+            return index
+    return n
+
+
 def chunk_length(start: int, prefill_chunk: int) -> int:
     """How many tokens the chunk at `start` encodes: `prefill_chunk` while the prompt is short, then
     fewer, in multiples of CHUNK_ALIGN (never fewer than one multiple, nor more than `prefill_chunk`)."""
@@ -319,6 +332,7 @@ class PromptEncodingMixin:
     vision: PromptCache[tuple[str, ...], tuple[list[int], torch.Tensor]]  # images' (soft tokens, features)
     prefixes: PromptCache[int, tuple[tuple[int, ...], EncodedPrompt]]  # shared prefixes' (ids, KV), by chained hash
     prefix_index: PrefixIndex
+    image_sources: PromptCache[tuple[str, ...], tuple[CacheKey, ...]]  # image prompts encoded whole, newest first
     encoder_graphs: EncoderGraphs | None
     policy: ShapePolicy
     vision_graphs: VisionGraphs | None
@@ -487,6 +501,7 @@ class PromptEncodingMixin:
             rows = [list(key[0]) for key, _ in batch]
             self._store(batch, self._encode_ids(rows), [len(ids) for ids in rows], results)
         self._encode_over_prefixes(groups, results)
+        images = self._over_image_prefixes(images, results)
         embedded: list[Pending] = []
         expanded: list[dict[str, torch.Tensor]] = []
         for key, indices in images:
@@ -503,6 +518,9 @@ class PromptEncodingMixin:
             rows = [embeds[i] for _, i in batch]
             self._store([item for item, _ in batch], self._encode_embeds(rows), [int(r.shape[0]) for r in rows],
                         results)
+        for key, _ in embedded:
+            sources = self.image_sources.get(key[1]) or ()
+            self.image_sources.put(key[1], (key, *sources[:IMAGE_SOURCES - 1]))
         outcomes = [result for result in results if result is not None]
         assert len(outcomes) == len(results), "every prompt has its KV or its exception"
         return outcomes
@@ -531,6 +549,66 @@ class PromptEncodingMixin:
         return batches
 
     # ------------------------------------------------------------------ shared prefixes
+
+    def _over_image_prefixes(self, images: list[Pending], results: list[EncodedPrompt | Exception | None]) -> list[Pending]:
+        """Image prompts that begin as one encoded whole before with the same images, through every
+        image (a walk frame's gated stage: the question sheet and the frame lead both prompts, the
+        restated answers follow), encoded as their text suffix over that prompt's first tokens' KV:
+        on the encoder graphs' static path where it fits, else (no graphs: the CPU) eagerly over the
+        prefix as a long prompt's chunk is; with graphs and no fit, whole as before. Returns the rest."""
+        window = int(self.text_config.sliding_window)
+        image_id = self.config.image_token_id
+        rest: list[Pending] = []
+        for key, indices in images:
+            ids, digests = key
+            known = self.vision.get(digests)
+            encoded = None
+            for source_key in (self.image_sources.get(digests) or ()) if known is not None else ():
+                source = self.prompts.get(source_key)
+                if source is None or source.length >= window:  # gone, or its sliding layers cropped
+                    continue
+                shared = common_length(ids, source_key[0])
+                if shared >= len(ids) or ids[:shared].count(image_id) != len(digests):
+                    continue  # nothing follows the images, or the prompts part before the last image
+                assert known is not None
+                length = shared + sum(count + 1 for count in known[0])  # each placeholder: begin, soft tokens, end
+                if length > source.length:
+                    continue
+                prefix = EncodedPrompt(copy_rows([[(k[:, :, :length], v[:, :, :length])
+                                                    for k, v in source.layers]])[0], length)
+                suffix = list(ids[shared:])
+                layers = self._static_pass([suffix], prefix)
+                if layers is None and self.encoder_graphs is None:
+                    layers = [self._encode_over(prefix, suffix)]
+                if layers is not None:
+                    self._store([(key, indices)], layers, [length + len(suffix)], results)
+                    self.stats["image_prefix_hits"] += 1
+                    encoded = layers
+                break
+            if encoded is None:
+                rest.append((key, indices))
+        return rest
+
+    def _encode_over(self, prefix: EncodedPrompt, ids: list[int]) -> Layers:
+        """`ids` encoded eagerly over `prefix`'s KV as a long prompt's chunk is (`ChunkMask`): the
+        whole prompt's layers."""
+        from transformers.cache_utils import CacheLayerMixin
+
+        cache = self._new_cache()
+        for layer, (keys, values) in zip(cache.layers, prefix.layers):
+            assert isinstance(layer, CacheLayerMixin)
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = prefix.length
+        encoder = self.model.model.encoder
+        with torch.no_grad():
+            tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
+            positions = torch.arange(prefix.length, prefix.length + len(ids), device=self.device).unsqueeze(0)
+            encoder.language_model(inputs_embeds=encoder.get_input_embeddings()(tokens), position_ids=positions,
+                                   attention_mask=CHUNK_MASKS, past_key_values=cache)
+        self.stats["encoder_passes"] += 1
+        return copy_layers(cache)
 
     def _by_prefix(self, text: list[Pending]) -> tuple[list[Pending], list[_PrefixGroup]]:
         """The text prompts to encode split into those encoded whole and groups over a shared prefix:

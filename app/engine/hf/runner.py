@@ -127,6 +127,9 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         # Shared prefixes' KV (a question sheet's system turn), and where prompts' prefixes were seen.
         self.prefixes = PromptCache(min(kv_entries, PREFIX_ENTRIES))
         self.prefix_index = PrefixIndex()
+        # Image prompts encoded whole, by their images' digests (the newest few): a later stage that
+        # restates the same frame is encoded over their shared prefix (`_over_image_prefixes`).
+        self.image_sources = PromptCache(min(kv_entries, 64))
         self.generation = {**GENERATION_DEFAULTS, **(generation or {})}
         self.stats: Counter[str] = Counter()
         self.policy = ShapePolicy(max_rows=self.max_rows, canvas=canvas, canvas_step=canvas_step,
@@ -207,7 +210,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
 
     def clear_caches(self) -> None:
         """Forget every encoded prompt, image feature and shared prefix (the warm-up's)."""
-        for cache in (self.prompts, self.vision, self.prefixes, self.prefix_index):
+        for cache in (self.prompts, self.vision, self.prefixes, self.prefix_index, self.image_sources):
             cache.clear()
 
     # ------------------------------------------------------------------ decoder passes

@@ -227,3 +227,84 @@ def test_a_cancelled_read_gives_its_preprocessed_images_back(tiny_dir, tokenizer
     assert held == 1 and cancelled
     assert reader.images_held == 0
     assert runner.stats["vision_passes"] == 0  # the cancelled read never ran
+
+
+SHEET = "Question q1: Is the way ahead clear?\n  yes\n  no\n\nQuestion q2: Which side is the obstacle on?\n  A: left\n  B: right"
+
+
+def frame_prompts(tokenizer, colour=(90, 160, 40)):
+    """A walk frame's two stages: the same sheet and frame, the second with the first's answer restated."""
+    from app.decisions.prompt import restated_state
+
+    image = (ImageInput(jpeg(colour), "image/jpeg", "frame"),)
+    first = Prompt(tuple(tokenizer.render_chat(SHEET, "Walking forward.", 1, False)), image)
+    second = Prompt(tuple(tokenizer.render_chat(SHEET, restated_state("Walking forward.", ["q1: no"]), 1, False)),
+                    image)
+    return first, second
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    """The tiny checkpoint with a 512-token sliding window: a frame's prompt (145 tokens) fits inside it,
+    as a walk frame's ~500 fit the full model's 1,024 (a prompt past the window has its sliding
+    layers cropped, and its prefix cannot be sliced from it)."""
+    import json
+
+    from app.engine.tiny import write_tiny_model
+
+    directory = write_tiny_model(tmp_path_factory.mktemp("wide") / "model")
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config["text_config"]["sliding_window"] = 512
+    config_path.write_text(json.dumps(config))
+    return directory
+
+
+def test_a_restated_stage_is_encoded_over_the_first_stages_prefix_and_reads_the_same(wide_dir, tiny_dir, tokenizer):
+    """The gated second stage of a walk frame: only its restated suffix is encoded, over the first
+    stage's KV of the sheet and the frame; its KV equals the prompt encoded whole."""
+    from tests.engine.hf.graphs.test_encoder import assert_same_kv
+
+    first, second = frame_prompts(tokenizer)
+    narrow = make_tiny_reader(tiny_dir).runner  # the tiny model's own 64-token window: the source is cropped
+    narrow.encode_many([first])
+    narrow.encode_many([second])
+    assert narrow.stats["image_prefix_hits"] == 0
+    runner = make_tiny_reader(wide_dir).runner
+    runner.encode_many([first])
+    before = dict(runner.stats)
+    (reused,) = runner.encode_many([second])
+    assert runner.stats["image_prefix_hits"] == 1
+    assert runner.stats["vision_passes"] == before.get("vision_passes", 0)  # the frame's features reused
+    (whole,) = make_tiny_reader(wide_dir).runner.encode_many([second])
+    assert_same_kv(whole, reused)
+    other = frame_prompts(tokenizer, colour=(10, 10, 200))[1]  # another frame: no source, encoded whole
+    runner.encode_many([other])
+    assert runner.stats["image_prefix_hits"] == 1
+
+
+def test_a_walk_decisions_gated_stage_reuses_the_frames_prompt(wide_dir):
+    from app import build
+    from app.config import Settings
+    from app.decisions.request import parse_decision
+    from app.decisions.run import Decider
+    from tests.conftest import LIMITS
+
+    reader = make_tiny_reader(wide_dir)
+    body = {"state": "Walking forward.", "samples": 1,
+            "questions": {"clear": {"type": "noul", "instructions": "Is the way ahead clear?"},
+                          "side": {"type": "choice", "instructions": "Which side is the obstacle on?",
+                                   "criteria": {"left": None, "right": None}, "ask_if": {"clear": ["yes", "no"]}}}}
+    image = ImageInput(jpeg((200, 120, 30)), "image/jpeg", "frame")
+
+    async def go():
+        await reader.start()
+        try:
+            decider = Decider(reader, build.read_settings(Settings.of(canvas=64)))
+            return await decider.decide(parse_decision(body, LIMITS, images=[image]))
+        finally:
+            await reader.stop()
+
+    outcome = asyncio.run(go())
+    assert outcome.diagnostics["stages"] == [["clear"], ["side"]]
+    assert reader.stats["image_prefix_hits"] == 1 and reader.stats["vision_passes"] == 1
