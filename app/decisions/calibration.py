@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from app.decisions.questions import DIGIT_LABELS, LETTER_LABELS, Question
+from app.decisions.questions import DIGIT_LABELS, LETTER_LABELS, Question, top_index
 
 FORMAT = "djev-calibration"
 FORMAT_VERSION = 1
@@ -316,14 +316,6 @@ class Metrics:
                 "accuracy": self.accuracy, "bins": [b.as_json() for b in self.bins]}
 
 
-def _top(probs: Sequence[float]) -> int:
-    best = 0
-    for k, p in enumerate(probs):
-        if p > probs[best]:
-            best = k
-    return best
-
-
 def metrics(answers: Iterable[tuple[Sequence[float], int]], bins: int = ECE_BINS) -> Metrics:
     rows = list(answers)
     counts = [0] * bins
@@ -331,7 +323,7 @@ def metrics(answers: Iterable[tuple[Sequence[float], int]], bins: int = ECE_BINS
     correct = [0.0] * bins
     brier = log_loss = hits = 0.0
     for probs, label in rows:
-        top = _top(probs)
+        top = top_index(probs)
         p_top = probs[top]
         index = min(bins - 1, int(p_top * bins + 1e-9))  # 0.7 computed as 0.6999999999 is in the 0.7 bin
         counts[index] += 1
