@@ -5,7 +5,8 @@ app/engine/hf/layers.py `chunk_attention` does), with its log-sum-exp:
 - `efficient`: SDPA's memory-efficient kernel (what `chunk_attention` calls on CUDA);
 - `blocks`: the keys in blocks, scores as a float32 matmul (TF32 tensor cores: the bf16 inputs are
   exact in TF32), an online softmax across blocks, the probabilities in bf16 for the value matmul;
-- `flex`: torch's FlexAttention (Triton), when it compiles for this head size.
+- `flex`: torch's FlexAttention (Triton), when it compiles for this head size;
+- `triton M/N/w/s`: bench/wide_attention.py's flash-style kernel at each of its TILES.
 
 Each is timed at the prompt lengths given and checked against float32 arithmetic at a short one.
 
@@ -99,6 +100,11 @@ def main() -> None:
         kernels["flex"] = flex()
     except Exception as error:  # noqa: BLE001 - a probe: say why and go on
         print(f"flex: {error}")
+    from bench.wide_attention import TILES, wide_attention
+
+    for tile in TILES:
+        kernels["triton " + "/".join(map(str, tile))] = (
+            lambda q, k, v, tile=tile: wide_attention(q, k, v, 1.0, tile))
     generator = torch.Generator(device=device).manual_seed(0)
 
     def tensors(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
