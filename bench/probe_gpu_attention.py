@@ -10,6 +10,11 @@ app/engine/hf/layers.py `chunk_attention` does), with its log-sum-exp:
 
 Each is timed at the prompt lengths given and checked against float32 arithmetic at a short one.
 
+Then a sliding-window layer's chunk (16 query heads on 8 KV heads of 256, a 1,024-token window: the
+chunk's 2,048 queries over the 1,023 earlier tokens it keeps and itself): `grouped_attention` under
+the small mask (what `chunk_attention` does) against FlexAttention with a sliding block mask, which
+skips the blocks the window hides.
+
     python bench/probe_gpu_attention.py                      # on CUDA; prints a table
 """
 
@@ -19,7 +24,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -86,6 +91,56 @@ def timed(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rep
     return (time.perf_counter() - started) / reps * 1000
 
 
+def sliding(chunk: int, reps: int) -> list[list[str]]:
+    """The sliding layer's chunk: (kernel, max abs error against float64, ms)."""
+    from app.engine.hf.layers import chunk_attention
+
+    device = torch.device("cuda")
+    heads, kv_heads, dim, window = 16, 8, 256, 1024
+    past = window - 1
+    generator = torch.Generator(device=device).manual_seed(1)
+
+    def normed(*shape: int) -> torch.Tensor:
+        x = torch.randn(*shape, generator=generator, device=device)
+        return (x / x.pow(2).mean(-1, keepdim=True).sqrt()).to(torch.bfloat16)
+
+    q, k, v = normed(1, heads, chunk, dim), normed(1, kv_heads, past + chunk, dim), normed(1, kv_heads, past + chunk, dim)
+    rows = torch.arange(chunk, device=device).unsqueeze(1) + past
+    columns = torch.arange(past + chunk, device=device).unsqueeze(0)
+    mask = (columns <= rows) & (columns > rows - window)
+    scores = torch.matmul(q.double(), k.double().repeat_interleave(2, 1).transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+    want = torch.matmul(torch.softmax(scores, -1), v.double().repeat_interleave(2, 1)).transpose(1, 2)
+    kernels: dict[str, Callable[[], torch.Tensor]] = {
+        "grouped_attention, masked": lambda: chunk_attention(q, k, v, 1.0, window)}
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def band(b: Any, h: Any, query: Any, key: Any) -> Any:
+            return (key <= query + past) & (key > query + past - window)
+
+        block_mask = create_block_mask(band, None, None, chunk, past + chunk, device="cuda")
+        compiled = torch.compile(flex_attention, dynamic=False)
+        kernels["flex, sliding block mask"] = lambda: compiled(q, k, v, block_mask=block_mask, scale=1.0,
+                                                               enable_gqa=True).transpose(1, 2)
+    except Exception as error:  # noqa: BLE001 - a probe: say why and go on
+        print(f"flex sliding: {error}")
+    out = []
+    for name, kernel in kernels.items():
+        try:
+            error = (kernel().double() - want).abs().max().item()
+            kernel()
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(reps):
+                kernel()
+            torch.cuda.synchronize()
+            out.append([name, f"{error:.2e}", f"{(time.perf_counter() - started) / reps * 1000:.2f}"])
+        except Exception as failure:  # noqa: BLE001
+            print(f"{name}: {type(failure).__name__}: {failure}")
+        print(out[-1] if out else name, flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="32768,100000")
@@ -136,6 +191,8 @@ def main() -> None:
         print(rows[-1], flush=True)
     print(markdown_table(["kernel", "max abs error (out, 4k keys)", "lse error", *[f"ms at {n} keys" for n in
                                                                                args.lengths.split(",")]], rows))
+    print("\nA sliding layer's chunk (16 x 2048 queries over 1,023 + 2,048 keys, window 1,024):\n")
+    print(markdown_table(["kernel", "max abs error", "ms"], sliding(args.chunk, args.reps)))
 
 
 if __name__ == "__main__":
