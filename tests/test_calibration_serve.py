@@ -130,3 +130,19 @@ def test_serve_refuses_a_malformed_calibration_before_loading(tmp_path, capsys, 
     assert main(["serve", "--calibration", str(path)]) == 2
     err = capsys.readouterr().err
     assert message in err and str(path) in err
+
+
+def test_with_the_prior_the_calibration_acts_on_the_read_after_the_raw_prior_is_divided_out(tokenizer):
+    """Every read here, the content-free one too, puts 0.7 on the first label: divided by the raw prior
+    a read is uniform, and the calibration then leaves only its per-position bias. Had the prior
+    been calibrated too, the division would not give uniform and the answer would differ."""
+    reader = ScriptedReader(tokenizer, conf=0.7)
+    data = calibration_json(reader, Settings(), debias="prior")
+    calibration = parse_calibration(data, {"file": "cal.json", "sha256": "abc"})
+    decider = Decider(reader, build.read_settings(Settings()), calibration=calibration)
+    body = {"state": "x", "samples": 1, "debias": "prior", "questions": {"team": QUESTIONS["team"]}}
+    outcome = asyncio.run(decider.decide(parse_decision(body, LIMITS)))
+    assert outcome.diagnostics["calibration"] == {"file": "cal.json", "sha256": "abc"}
+    assert list(outcome.answers["team"]["probabilities"].values()) == pytest.approx(softmax([0.0, 0.5, -0.5]))
+    plain = asyncio.run(decider.decide(parse_decision({**body, "debias": "off"}, LIMITS)))
+    assert plain.diagnostics["calibration"] is None  # fitted under "prior": another mode reads uncalibrated
