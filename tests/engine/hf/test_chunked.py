@@ -217,3 +217,21 @@ def test_a_chunked_prompt_keeps_its_full_attention_kv_in_its_own_buffers(tiny_di
     for keys in full:
         assert keys.untyped_storage().nbytes() == keys.numel() * keys.element_size()
         assert keys.stride(2) == keys.shape[1] * keys.shape[3]  # token-major, as copy_rows lays KV out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_lse_equals_the_arithmetic_it_stands_for(causal):
+    """The CPU's flash kernel (what `attention_with_lse` calls there) against the float32 arithmetic."""
+    from app.engine.hf.layers import attention_with_lse
+
+    generator = torch.Generator().manual_seed(3)
+    queries = torch.randn(1, 2, 40, 16, generator=generator)
+    keys = torch.randn(1, 2, 40 if causal else 75, 16, generator=generator)
+    values = torch.randn(1, 2, keys.shape[2], 16, generator=generator)
+    scores = torch.matmul(queries.double(), keys.double().transpose(-1, -2)) * 0.7
+    if causal:
+        scores = scores.masked_fill(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
+    out, lse = attention_with_lse(queries, keys, values, 0.7, causal)
+    assert lse.dtype == torch.float32 and lse.shape == (1, 2, 40)
+    assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=1e-5)
+    assert torch.allclose(out.double(), torch.matmul(torch.softmax(scores, -1), values.double()), atol=1e-5)
