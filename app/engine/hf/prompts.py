@@ -572,11 +572,12 @@ class PromptEncodingMixin:
                     continue  # nothing follows the images, or the prompts part before the last image
                 assert known is not None
                 length = shared + sum(count + 1 for count in known[0])  # each placeholder: begin, soft tokens, end
-                if length > source.length:
-                    continue
+                suffix = list(ids[shared:])
+                graphs = self.encoder_graphs
+                if length > source.length or (graphs is not None and not graphs.fits(1, len(suffix), length)):
+                    break  # (with graphs and no bucket for it: whole, as before, without copying the prefix)
                 prefix = EncodedPrompt(copy_rows([[(k[:, :, :length], v[:, :, :length])
                                                     for k, v in source.layers]])[0], length)
-                suffix = list(ids[shared:])
                 layers = self._static_pass([suffix], prefix)
                 if layers is None and self.encoder_graphs is None:
                     layers = [self._encode_over(prefix, suffix)]

@@ -308,3 +308,20 @@ def test_a_walk_decisions_gated_stage_reuses_the_frames_prompt(wide_dir):
     outcome = asyncio.run(go())
     assert outcome.diagnostics["stages"] == [["clear"], ["side"]]
     assert reader.stats["image_prefix_hits"] == 1 and reader.stats["vision_passes"] == 1
+
+
+@pytest.mark.parametrize("prefix_slots, reused", [((256,), True), ((64,), False)])
+def test_with_encoder_graphs_the_restated_stage_takes_the_static_path_or_is_encoded_whole(
+        wide_dir, tokenizer, prefix_slots, reused):
+    """On the graphs' static path where the shared prefix fits a prefix bucket; where none holds it,
+    encoded whole as before (and nothing is sliced for it). The KV is the whole encoding's either way."""
+    from tests.engine.hf.graphs.test_encoder import assert_same_kv, graphed_runner
+
+    first, second = frame_prompts(tokenizer)
+    runner = graphed_runner(wide_dir, lengths=(16, 32, 64, 128, 256))
+    runner.policy = dataclasses.replace(runner.policy, prefix_slots=prefix_slots)
+    runner.encoder_graphs.policy = runner.policy
+    runner.encode_many([first])
+    (encoded,) = runner.encode_many([second])
+    assert runner.stats["image_prefix_hits"] == (1 if reused else 0)
+    assert_same_kv(make_tiny_reader(wide_dir).runner.encode_many([second])[0], encoded)
