@@ -206,8 +206,9 @@ class _Run:
         self.by_id = {q.qid: q for q in decision.questions}
         self.draws = Draws(decider.reader, self.offload, decision.seed, decision.steps, decider.tokenizer.vocab_size,
                            adjust)
-        # the label prior is the content-free read as it is: the calibration acts after it is divided out
-        self.prior_draws = dataclasses.replace(self.draws, seed=PRIOR_SEED, adjust=None)
+        # the label prior comes from the content-free read's raw log-probabilities (mean_prior), never
+        # through an adjustment: the calibration acts on a read after the prior is divided out
+        self.prior_draws = dataclasses.replace(self.draws, seed=PRIOR_SEED)
         self.calibration = calibration  # what diagnostics say of the calibration applied: its file and hash
         self.answered: dict[str, str | None] = {}  # qid -> the chosen alternative's name; None = skipped
         self.skipped: dict[str, Skip] = {}

@@ -171,23 +171,16 @@ def chunk_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 def attention_with_lse(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
                        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention without a mask (or causal, for as many keys as queries) and its
-    log-sum-exp per query row (float32): on CUDA SDPA's memory-efficient kernel, on the CPU its
-    flash kernel, which return both (the CPU's 12x faster than the arithmetic below for a tiny-model
-    chunk over 30k tokens); elsewhere the same arithmetic in float32."""
+    log-sum-exp per query row (float32), from the kernels SDPA dispatches to, which return both: on
+    CUDA the memory-efficient one, on the CPU the flash one (DEVICE is one or the other; on the CPU
+    12x faster than the float32 arithmetic it stands for, a tiny-model chunk over 30k tokens)."""
     if queries.is_cuda:
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             queries, keys, values, None, True, 0.0, causal, scale=scaling)[:2]
         return out, lse[..., :queries.shape[2]]  # the kernel pads the rows of its log-sum-exp
-    cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if queries.device.type == "cpu" and cpu_flash is not None:
-        out, lse = cpu_flash(queries, keys, values, 0.0, causal, scale=scaling)
-        return out, lse.float()
-    scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scaling
-    if causal:
-        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(hidden, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.softmax(scores, dim=-1), values.float()), lse
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(queries, keys, values, 0.0, causal,
+                                                                         scale=scaling)
+    return out, lse.float()
 
 
 def install(layers: Sequence[TextLayer], compile: Callable[[Callable], Callable] | None = None) -> None:

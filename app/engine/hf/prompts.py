@@ -57,14 +57,25 @@ def cache_kv(cache: Cache) -> Layers:
     """Each layer's keys and values in a cache that a pass has filled. The library types a cache's
     layers as any kind (linear attention, placeholders) and their tensors as optional; a
     DiffusionGemma pass leaves attention layers holding both (TypeError otherwise)."""
+    return [layer_kv(layer) for layer in cache.layers]
+
+
+def layer_kv(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """A filled cache layer's keys and values (TypeError for a layer without both)."""
     from transformers.cache_utils import CacheLayerMixin
 
-    layers: Layers = []
-    for layer in cache.layers:
-        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
-            raise TypeError(f"a cache layer without keys and values: {type(layer).__name__}")
-        layers.append((layer.keys, layer.values))
-    return layers
+    if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+        raise TypeError(f"a cache layer without keys and values: {type(layer).__name__}")
+    return layer.keys, layer.values
+
+
+def hold(layer: CacheLayerMixin, keys: torch.Tensor, values: torch.Tensor, length: int | None = None) -> None:
+    """`layer` made to hold `keys` and `values` as they are (`update` would copy them once more,
+    concatenated onto nothing); a sliding layer counts `length` tokens seen."""
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    if length is not None and hasattr(layer, "cumulative_length"):
+        layer.cumulative_length = length
 
 
 # A chunk's time grows with the earlier tokens its full-attention layers read: on the H200 a 2048-token
@@ -143,17 +154,11 @@ def prompt_layer(length: int) -> CacheLayerMixin:
 def copy_layers(cache: Cache) -> Layers:
     """A filled cache's layers as `copy_rows` lays them out: a `prompt_layer`'s as they are, the
     others copied one layer at a time, each layer's own tensors let go as soon as it is copied."""
-    from transformers.cache_utils import CacheLayerMixin
-
     layers: Layers = []
     for layer in cache.layers:
-        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
-            raise TypeError(f"a cache layer without keys and values: {type(layer).__name__}")
-        if hasattr(layer, "key_buffer"):
-            layers.append((layer.keys, layer.values))
-        else:
-            layers.extend(copy_rows([[(layer.keys, layer.values)]])[0])
-        layer.keys = layer.values = None
+        pair = layer_kv(layer)
+        layers.append(pair if hasattr(layer, "key_buffer") else copy_rows([[pair]])[0][0])
+        layer.keys = layer.values = None  # pyright: ignore[reportAttributeAccessIssue]  # layer_kv: an attention layer
     return layers
 
 
@@ -563,14 +568,14 @@ class PromptEncodingMixin:
             ids, digests = key
             known = self.vision.get(digests)
             encoded = None
-            for source_key in (self.image_sources.get(digests) or ()) if known is not None else ():
+            for source_key in (self.image_sources.get(digests) or ()) if known else ():
                 source = self.prompts.get(source_key)
                 if source is None or source.length >= window:  # gone, or its sliding layers cropped
                     continue
                 shared = common_length(ids, source_key[0])
                 if shared >= len(ids) or ids[:shared].count(image_id) != len(digests):
                     continue  # nothing follows the images, or the prompts part before the last image
-                assert known is not None
+                assert known  # (the loop runs only when it is known)
                 length = shared + sum(count + 1 for count in known[0])  # each placeholder: begin, soft tokens, end
                 suffix = list(ids[shared:])
                 graphs = self.encoder_graphs
@@ -598,10 +603,7 @@ class PromptEncodingMixin:
         cache = self._new_cache()
         for layer, (keys, values) in zip(cache.layers, prefix.layers):
             assert isinstance(layer, CacheLayerMixin)
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-            if hasattr(layer, "cumulative_length"):
-                layer.cumulative_length = prefix.length
+            hold(layer, keys, values, prefix.length)
         encoder = self.model.model.encoder
         with torch.no_grad():
             tokens = torch.tensor([ids], dtype=torch.long, device=self.device)

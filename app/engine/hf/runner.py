@@ -36,6 +36,7 @@ from app.engine.hf.prompts import (
     Preprocessed,
     PromptCache,
     PromptEncodingMixin,
+    hold,
 )
 from app.engine.hf.sampler import sample_step, softcap, temperature_at
 
@@ -71,13 +72,11 @@ Result = TypeVar("Result")
 
 
 def held_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
-    """A cache layer holding `keys` and `values` as they are (`DynamicCache.update` would copy them
-    once more, concatenated onto nothing)."""
+    """A cache layer holding `keys` and `values` as they are (`hold`)."""
     from transformers.cache_utils import DynamicLayer
 
     layer = DynamicLayer()
-    layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys, values
+    hold(layer, keys, values)
     return layer
 
 
