@@ -1,21 +1,23 @@
-"""Which kernel reads a long prompt's earlier tokens fastest for one chunk in a full-attention layer
-(head_dim 512, 2 KV heads, 16 query heads: the query heads of a KV head stacked along the tokens, as
-app/engine/hf/layers.py `chunk_attention` does), with its log-sum-exp:
+"""Which kernel reads a long prompt's chunk fastest on CUDA, as app/engine/hf/layers.py
+`chunk_attention` calls it: a chunk's queries over the KV of every earlier token and its own.
 
-- `efficient`: SDPA's memory-efficient kernel (what `chunk_attention` calls on CUDA);
-- `blocks`: the keys in blocks, scores as a float32 matmul (TF32 tensor cores: the bf16 inputs are
-  exact in TF32), an online softmax across blocks, the probabilities in bf16 for the value matmul;
-- `flex`: torch's FlexAttention (Triton), when it compiles for this head size;
-- `triton M/N/w/s`: bench/wide_attention.py's flash-style kernel at each of its TILES.
+- Full-attention layer (16 query heads on 2 KV heads of head size 512), at each prompt length:
+  - `sdpa`: the path without Triton: the earlier tokens through SDPA's memory-efficient kernel (every
+    query head of a KV head stacked along the tokens), the chunk's own causally, the two softmaxes
+    merged by their log-sum-exps;
+  - `triton M/N/w/s/p`: the same with the earlier tokens through app/engine/hf/triton_attention.py's
+    kernel at each candidate tile (query rows a program holds / keys a step reads / warps / stages /
+    parts of the head size the accumulator is split into);
+  - `triton band M/N/w/s/p`: the kernel's one banded pass over every key (no merge; slower: its
+    mask's registers).
+- Sliding layer (16 query heads on 8 KV heads of 256, a 1,024-token window: the chunk's queries over
+  the 1,023 earlier tokens it keeps and its own): `sdpa` (the masked grouped attention),
+  FlexAttention with a sliding block mask, and the Triton kernel's candidate tiles.
 
-Each is timed at the prompt lengths given and checked against float32 arithmetic at a short one.
+Each is checked against float64 arithmetic at the shortest length (the sliding layer: its one size)
+and timed after a warm-up call.
 
-Then a sliding-window layer's chunk (16 query heads on 8 KV heads of 256, a 1,024-token window: the
-chunk's 2,048 queries over the 1,023 earlier tokens it keeps and itself): `grouped_attention` under
-the small mask (what `chunk_attention` does) against FlexAttention with a sliding block mask, which
-skips the blocks the window hides.
-
-    python bench/probe_gpu_attention.py                      # on CUDA; prints a table
+    python bench/probe_gpu_attention.py                      # on CUDA; prints two tables
 """
 
 from __future__ import annotations
@@ -30,55 +32,64 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.engine.hf import layers  # noqa: E402
 from bench.common import markdown_table  # noqa: E402
 
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Tile = tuple[int, int, int, int, int]
+FULL_TILES: tuple[Tile, ...] = ((64, 64, 8, 1, 1), (128, 64, 8, 1, 2), (128, 32, 8, 2, 2), (128, 64, 8, 1, 4))
+SLIDING_TILES: tuple[Tile, ...] = ((64, 64, 4, 1, 1), (128, 64, 8, 1, 1), (64, 64, 4, 2, 1), (128, 32, 8, 2, 1),
+                                   (128, 64, 8, 1, 2), (64, 32, 4, 3, 1))
 
 
-def efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=1.0)[:2]
-    return out, lse[..., :q.shape[2]]
+def sdpa(window: int | None) -> Kernel:
+    return lambda q, k, v: layers.chunk_attention_with(None, q, k, v, 1.0, window)
 
 
-def blocks(block: int) -> Kernel:
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        previous = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = True
-        try:
-            qf = q.float()
-            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            peak = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-            total = torch.zeros(q.shape[:-1], device=q.device)
-            for start in range(0, k.shape[2], block):
-                scores = torch.matmul(qf, k[:, :, start:start + block].float().transpose(-1, -2))
-                new_peak = torch.maximum(peak, scores.amax(-1))
-                rescale = torch.exp(peak - new_peak)
-                probs = torch.exp(scores - new_peak.unsqueeze(-1))
-                total = total * rescale + probs.sum(-1)
-                out = out * rescale.unsqueeze(-1) + torch.matmul(probs.to(v.dtype), v[:, :, start:start + block]).float()
-                peak = new_peak
-            return (out / total.unsqueeze(-1)).to(q.dtype), peak + torch.log(total)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = previous
+def triton(tile: Tile, window: int | None) -> Kernel:
+    from app.engine.hf.triton_attention import attention
+
+    def kernel(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return attention(*args, **kwargs, tile=tile)
+
+    return lambda q, k, v: layers.chunk_attention_with(kernel, q, k, v, 1.0, window)
+
+
+def band(tile: Tile) -> Kernel:
+    from app.engine.hf.triton_attention import attention
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        batch, heads, tokens, dim = q.shape
+        out = q.new_empty(batch, tokens, heads, dim)
+        attention(q, k, v, 1.0, band=(k.shape[2] - tokens, k.shape[2]), out=out.transpose(1, 2), tile=tile)
+        return out
 
     return run
 
 
-def flex() -> Kernel:
-    from torch.nn.attention.flex_attention import flex_attention
+def flex_sliding(tokens: int, past: int, window: int) -> Kernel:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    def band(b: Any, h: Any, query: Any, key: Any) -> Any:
+        return (key <= query + past) & (key > query + past - window)
+
+    block_mask = create_block_mask(band, None, None, tokens, past + tokens, device="cuda")
     compiled = torch.compile(flex_attention, dynamic=False)
-
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = compiled(q, k, v, scale=1.0, return_lse=True)
-        return out, lse
-
-    return run
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, scale=1.0, enable_gqa=True).transpose(1, 2)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = torch.matmul(q.double(), k.double().transpose(-1, -2))
-    return torch.matmul(torch.softmax(scores, -1), v.double()), torch.logsumexp(scores, -1)
+def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    tokens, keys = q.shape[2], k.shape[2]
+    groups = q.shape[1] // k.shape[1]
+    positions = torch.arange(tokens, device=q.device).unsqueeze(1) + keys - tokens
+    columns = torch.arange(keys, device=q.device).unsqueeze(0)
+    visible = (columns <= positions) & (columns > positions - (window or keys))
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    for head in range(q.shape[1]):  # a head at a time: float64 scores of 16 heads would not fit at 32k
+        scores = torch.matmul(q[:, head].double(), k[:, head // groups].double().transpose(-1, -2))
+        out[:, head] = torch.matmul(torch.softmax(scores.masked_fill(~visible, float("-inf")), -1),
+                                    v[:, head // groups].double())
+    return out.transpose(1, 2)
 
 
 def timed(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reps: int) -> float:
@@ -91,108 +102,67 @@ def timed(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rep
     return (time.perf_counter() - started) / reps * 1000
 
 
-def sliding(chunk: int, reps: int) -> list[list[str]]:
-    """The sliding layer's chunk: (kernel, max abs error against float64, ms)."""
-    from app.engine.hf.layers import chunk_attention
-
-    device = torch.device("cuda")
-    heads, kv_heads, dim, window = 16, 8, 256, 1024
-    past = window - 1
-    generator = torch.Generator(device=device).manual_seed(1)
-
-    def normed(*shape: int) -> torch.Tensor:
-        x = torch.randn(*shape, generator=generator, device=device)
+def tensors(heads: int, kv_heads: int, tokens: int, keys: int, dim: int,
+            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def normed(*shape: int) -> torch.Tensor:  # RMS-normed as the layer's q_norm / k_norm leave them
+        x = torch.randn(*shape, generator=generator, device="cuda")
         return (x / x.pow(2).mean(-1, keepdim=True).sqrt()).to(torch.bfloat16)
 
-    q, k, v = normed(1, heads, chunk, dim), normed(1, kv_heads, past + chunk, dim), normed(1, kv_heads, past + chunk, dim)
-    rows = torch.arange(chunk, device=device).unsqueeze(1) + past
-    columns = torch.arange(past + chunk, device=device).unsqueeze(0)
-    mask = (columns <= rows) & (columns > rows - window)
-    scores = torch.matmul(q.double(), k.double().repeat_interleave(2, 1).transpose(-1, -2)).masked_fill(~mask, float("-inf"))
-    want = torch.matmul(torch.softmax(scores, -1), v.double().repeat_interleave(2, 1)).transpose(1, 2)
-    kernels: dict[str, Callable[[], torch.Tensor]] = {
-        "grouped_attention, masked": lambda: chunk_attention(q, k, v, 1.0, window)}
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    return normed(1, heads, tokens, dim), normed(1, kv_heads, keys, dim), normed(1, kv_heads, keys, dim)
 
-        def band(b: Any, h: Any, query: Any, key: Any) -> Any:
-            return (key <= query + past) & (key > query + past - window)
 
-        block_mask = create_block_mask(band, None, None, chunk, past + chunk, device="cuda")
-        compiled = torch.compile(flex_attention, dynamic=False)
-        kernels["flex, sliding block mask"] = lambda: compiled(q, k, v, block_mask=block_mask, scale=1.0,
-                                                               enable_gqa=True).transpose(1, 2)
-    except Exception as error:  # noqa: BLE001 - a probe: say why and go on
-        print(f"flex sliding: {error}")
-    out = []
+def measure(kernels: dict[str, Kernel], shapes: list[tuple[int, int, int, int, int]], window: int | None,
+            reps: int, generator: torch.Generator) -> list[list[str]]:
+    """One row per kernel: its largest error at the first shape, then ms at each shape."""
+    rows = []
+    checked = tensors(*shapes[0], generator=generator)
+    want = exact(*checked, window)
     for name, kernel in kernels.items():
         try:
-            error = (kernel().double() - want).abs().max().item()
-            kernel()
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            for _ in range(reps):
-                kernel()
-            torch.cuda.synchronize()
-            out.append([name, f"{error:.2e}", f"{(time.perf_counter() - started) / reps * 1000:.2f}"])
-        except Exception as failure:  # noqa: BLE001
-            print(f"{name}: {type(failure).__name__}: {failure}")
-        print(out[-1] if out else name, flush=True)
-    return out
+            error = (kernel(*checked).double() - want).abs().max().item()
+            times = []
+            for shape in shapes:
+                big = tensors(*shape, generator=generator)
+                times.append(f"{timed(kernel, *big, reps):.2f}")
+                del big
+            rows.append([name, f"{error:.2e}", *times])
+        except Exception as failure:  # noqa: BLE001 - a probe: say why and go on
+            print(f"{name}: {type(failure).__name__}: {str(failure)[:300]}")
+            continue
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="32768,100000")
+    parser.add_argument("--lengths", default="32768,100000", help="earlier tokens a full layer's chunk reads")
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
-    device = torch.device("cuda")
-    kv_heads, groups, dim = 2, 8, 512
-    queries = groups * args.chunk
-    kernels: dict[str, Kernel] = {"efficient": efficient, "blocks 4096": blocks(4096), "blocks 16384": blocks(16384)}
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [int(part) for part in args.lengths.split(",")]
+    chunk = args.chunk
+
+    full: dict[str, Kernel] = {"sdpa": sdpa(None)}
+    full.update({"triton " + "/".join(map(str, tile)): triton(tile, None) for tile in FULL_TILES})
+    full["triton band 128/64/8/1/2"] = band((128, 64, 8, 1, 2))
+    shapes = [(16, 2, chunk, length + chunk, 512) for length in lengths]
+    rows = measure(full, shapes, None, args.reps, generator)
+    print(f"\nA full-attention layer's chunk ({chunk} queries x 16 heads, 2 KV heads of 512):\n")
+    print(markdown_table(["kernel", "max abs error", *[f"ms, {n} earlier tokens" for n in lengths]], rows))
+
+    window = 1024
+    sliding: dict[str, Kernel] = {"sdpa, masked": sdpa(window)}
     try:
-        kernels["flex"] = flex()
-    except Exception as error:  # noqa: BLE001 - a probe: say why and go on
-        print(f"flex: {error}")
-    from bench.wide_attention import TILES, wide_attention
-
-    for tile in TILES:
-        kernels["triton " + "/".join(map(str, tile))] = (
-            lambda q, k, v, tile=tile: wide_attention(q, k, v, 1.0, tile))
-    generator = torch.Generator(device=device).manual_seed(0)
-
-    def tensors(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        def normed(*shape: int) -> torch.Tensor:  # RMS-normed as the layer's q_norm / k_norm leave them
-            x = torch.randn(*shape, generator=generator, device=device)
-            return (x / x.pow(2).mean(-1, keepdim=True).sqrt()).to(torch.bfloat16)
-
-        return normed(1, kv_heads, queries, dim), normed(1, kv_heads, length, dim), normed(1, kv_heads, length, dim)
-
-    rows = []
-    q, k, v = tensors(4096)
-    want_out, want_lse = reference(q, k, v)
-    for name, kernel in list(kernels.items()):
-        try:
-            out, lse = kernel(q, k, v)
-            error = (out.double() - want_out).abs().max().item()
-            lse_error = (lse.double() - want_lse).abs().max().item()
-        except Exception as failure:  # noqa: BLE001
-            print(f"{name}: {type(failure).__name__}: {failure}")
-            del kernels[name]
-            continue
-        times = []
-        for length in [int(part) for part in args.lengths.split(",")]:
-            big = tensors(length)
-            times.append(f"{timed(kernel, *big, args.reps):.1f}")
-            del big
-            torch.cuda.empty_cache()
-        rows.append([name, f"{error:.2e}", f"{lse_error:.2e}", *times])
-        print(rows[-1], flush=True)
-    print(markdown_table(["kernel", "max abs error (out, 4k keys)", "lse error", *[f"ms at {n} keys" for n in
-                                                                               args.lengths.split(",")]], rows))
-    print("\nA sliding layer's chunk (16 x 2048 queries over 1,023 + 2,048 keys, window 1,024):\n")
-    print(markdown_table(["kernel", "max abs error", "ms"], sliding(args.chunk, args.reps)))
+        sliding["flex, sliding block mask"] = flex_sliding(chunk, window - 1, window)
+    except Exception as error:  # noqa: BLE001
+        print(f"flex sliding: {error}")
+    sliding.update({"triton " + "/".join(map(str, tile)): triton(tile, window) for tile in SLIDING_TILES})
+    rows = measure(sliding, [(16, 8, chunk, window - 1 + chunk, 256)], window, args.reps, generator)
+    print(f"\nA sliding layer's chunk ({chunk} queries x 16 heads over {window - 1} + {chunk} keys, 8 KV heads "
+          f"of 256, window {window}):\n")
+    print(markdown_table(["kernel", "max abs error", "ms"], rows))
 
 
 if __name__ == "__main__":

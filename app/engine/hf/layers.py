@@ -10,6 +10,7 @@ docs/design.md §4.7 and §5.2.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -142,30 +143,59 @@ def chunk_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     110k-token prompt's last chunk: gigabytes, and SDPA's slow masked kernels): the earlier tokens
     are read without any mask, every query head of a KV head stacked along the tokens as in
     `grouped_attention`, the chunk's own tokens causally, and the two softmaxes merged by their
-    log-sum-exps."""
-    tokens = queries.shape[2]
+    log-sum-exps.
+
+    On CUDA in bf16 or fp16, where Triton is, app/engine/hf/triton_attention.py's kernel reads the
+    earlier tokens (about twice as fast as SDPA's memory-efficient kernel at head size 512 on an
+    H200) and a sliding layer's whole band (a third of the masked SDPA's time): docs/benchmarks.md has
+    the probe. `chunk_attention_with` is the same with the kernel given (None: torch's only)."""
+    cuda = queries.is_cuda and queries.dtype in (torch.bfloat16, torch.float16)
+    return chunk_attention_with(triton_kernel() if cuda else None, queries, keys, values, scaling, window)
+
+
+def chunk_attention_with(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None, queries: torch.Tensor,
+                         keys: torch.Tensor, values: torch.Tensor, scaling: float, window: int | None) -> torch.Tensor:
+    """`chunk_attention` through `kernel` (`triton_attention.attention`'s signature), or through
+    torch's kernels alone where it is None."""
+    batch, heads, tokens, dim = queries.shape
     past = keys.shape[2] - tokens
+    if window is not None and kernel is not None:  # the band in one pass, written in the layout the layer reads
+        out = queries.new_empty(batch, tokens, heads, dim)
+        kernel(queries, keys, values, scaling, band=(past, window), out=out.transpose(1, 2))
+        return out
     if window is not None:
         rows = torch.arange(tokens, device=queries.device).unsqueeze(1) + past
         columns = torch.arange(keys.shape[2], device=queries.device).unsqueeze(0)
         mask = (columns <= rows) & (columns > rows - window)
         return grouped_attention(queries, keys, values, mask[None, None], scaling)
-    batch, heads, _, dim = queries.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
     own_keys = keys[:, :, past:].repeat_interleave(groups, dim=1)  # the chunk's KV: small to repeat
     own_values = values[:, :, past:].repeat_interleave(groups, dim=1)
     out, lse = attention_with_lse(queries, own_keys, own_values, scaling, causal=True)
     if past > 0:
+        # Stacked, a program's query rows share a KV head; the kernel's band form (one pass, no
+        # merge) ran 3x slower at head size 512 on the H200 (its mask's registers: the probe).
         stacked = queries.reshape(batch, kv_heads, groups * tokens, dim)
-        earlier, earlier_lse = attention_with_lse(stacked, keys[:, :, :past], values[:, :, :past], scaling,
-                                                  causal=False)
+        earlier_keys, earlier_values = keys[:, :, :past], values[:, :, :past]
+        earlier, earlier_lse = (kernel(stacked, earlier_keys, earlier_values, scaling) if kernel is not None else
+                                attention_with_lse(stacked, earlier_keys, earlier_values, scaling, causal=False))
         earlier = earlier.reshape(batch, heads, tokens, -1)
         earlier_lse = earlier_lse.reshape(batch, heads, tokens)
         total = torch.logaddexp(lse, earlier_lse)
         out = (out.float() * torch.exp(lse - total).unsqueeze(-1)
                + earlier.float() * torch.exp(earlier_lse - total).unsqueeze(-1))
     return out.to(queries.dtype).transpose(1, 2)
+
+
+@functools.cache
+def triton_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """triton_attention.attention where Triton imports (CUDA builds of torch ship it), else None."""
+    try:
+        from app.engine.hf.triton_attention import attention
+    except ImportError:
+        return None
+    return attention
 
 
 def attention_with_lse(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,

@@ -130,6 +130,9 @@ def compile_counts(runner: DiffusionRunner) -> tuple[int, int, int]:
         from app.engine.hf.moe.fused import compiled_kernels
 
         triton = compiled_kernels()
+        attention = sys.modules.get("app.engine.hf.triton_attention")
+        if attention is not None:
+            triton += attention.compiled_kernels()
     return captures, compiled, triton
 
 
