@@ -174,8 +174,7 @@ def chunk_attention_with(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]
     own_values = values[:, :, past:].repeat_interleave(groups, dim=1)
     out, lse = attention_with_lse(queries, own_keys, own_values, scaling, causal=True)
     if past > 0:
-        # Stacked, a program's query rows share a KV head; the kernel's band form (one pass, no
-        # merge) ran 3x slower at head size 512 on the H200 (its mask's registers: the probe).
+        # Stacked, a program's query rows share a KV head (the form the kernel was tuned in).
         stacked = queries.reshape(batch, kv_heads, groups * tokens, dim)
         earlier_keys, earlier_values = keys[:, :, :past], values[:, :, :past]
         earlier, earlier_lse = (kernel(stacked, earlier_keys, earlier_values, scaling) if kernel is not None else
