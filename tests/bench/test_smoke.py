@@ -77,5 +77,6 @@ def test_bench_gpu_long_tiny_runs(tmp_path):
     data = json.loads((tmp_path / "bench_gpu_long.json").read_text())
     rows = data["in_process"]["rows"]
     assert [row["size"] for row in rows] == [200, 900] and rows[1]["chunks"] >= 3  # 900 tokens in 256s
+    assert all(row["warm_reads"] == 5 and row["warm_max_s"] >= row["warm_s"] for row in rows)
     assert all(row["statuses"] == [200, 200] for row in data["served"]["rows"])
     assert "|" in result["stdout"] and (tmp_path / "bench_gpu_long.md").exists()
