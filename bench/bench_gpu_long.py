@@ -196,8 +196,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
                                    f"warm s (median of {args.warm_reps})" if args.warm_reps > 1 else "warm s",
                                    "peak GiB over resting", "served cold s", "served warm s",
                                    "naive full read s"], table)
-    text += (f"\nin process: the reader loaded in {results['in_process']['load_s']} s (after the server: a "
-             f"restart with its compile caches); a prime chunked read first, {results['in_process']['prime_s']} s\n")
+    how = ("after the server: a restart with its compile caches" if results.get("served")
+           else "a cold start unless CACHE_DIR held compile caches already")
+    text += (f"\nin process: the reader loaded in {results['in_process']['load_s']} s ({how}); a prime chunked "
+             f"read first, {results['in_process']['prime_s']} s\n")
     sweep = results["in_process"].get("chunk_sweep")
     if sweep:
         text += "\nPREFILL_CHUNK sweep (one cold read each, in process):\n\n" + markdown_table(
