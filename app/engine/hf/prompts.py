@@ -881,11 +881,22 @@ class PromptEncodingMixin:
                                        attention_mask=CHUNK_MASKS if start else None, past_key_values=cache)
             self.stats["encoder_passes"] += 1
             self.stats["encoder_chunks"] += 1
+            self.finish_turn()
         encoded = EncodedPrompt(copy_layers(cache), length)
         self.prompts.put(key, encoded)
         self.stats["kv_misses"] += 1
         self.stats["prompts_chunked"] += 1
         return encoded
+
+    def finish_turn(self) -> None:
+        """Wait for the device work a chunk launched before the turn ends. CUDA runs kernels behind
+        the host: a chunk's turn would end as soon as its kernels were queued, the next reads' kernels
+        would queue behind several chunks, and their answers (and the first read that copies to the
+        host) would wait out that backlog, seconds at 110k tokens, though every turn looked short.
+        Waiting here makes a turn's wall time its device time, as the scheduling contract means it
+        (app/engine/base.py). Nothing to wait for on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _too_long(self, length: int) -> EngineInputError:
         return EngineInputError(
