@@ -80,3 +80,12 @@ def test_bench_gpu_long_tiny_runs(tmp_path):
     assert all(row["warm_reads"] == 5 and row["warm_max_s"] >= row["warm_s"] for row in rows)
     assert all(row["statuses"] == [200, 200] for row in data["served"]["rows"])
     assert "|" in result["stdout"] and (tmp_path / "bench_gpu_long.md").exists()
+
+
+@pytest.mark.timeout(600)
+def test_probe_gpu_turns_tiny_runs(tmp_path):
+    run_bench("probe_gpu_turns.py", "--tokens", "900", "--prefill-chunk", "256",
+              "--out-dir", str(tmp_path), out=tmp_path)
+    data = json.loads((tmp_path / "probe_gpu_turns.json").read_text())
+    for mode in ("waits (as built)", "queued (no wait)"):
+        assert data[mode]["turns"] >= 4 and len(data[mode]["turns_ms"]) == data[mode]["turns"]  # 900 tokens in 256s
