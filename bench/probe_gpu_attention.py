@@ -5,7 +5,7 @@
   - `sdpa`: the path without Triton: the earlier tokens through SDPA's memory-efficient kernel (every
     query head of a KV head stacked along the tokens), the chunk's own causally, the two softmaxes
     merged by their log-sum-exps;
-  - `triton M/N/w/s/p`: the same with the earlier tokens through app/engine/hf/triton_attention.py's
+  - `triton M/N/w/s/p`: the same with the earlier tokens through app/engine/hf/attention_kernel.py's
     kernel at each candidate tile (query rows a program holds / keys a step reads / warps / stages /
     parts of the head size the accumulator is split into);
   - `triton band M/N/w/s/p`: the kernel's one banded pass over every key (no merge; slower: its
@@ -47,7 +47,7 @@ def sdpa(window: int | None) -> Kernel:
 
 
 def triton(tile: Tile, window: int | None) -> Kernel:
-    from app.engine.hf.triton_attention import attention
+    from app.engine.hf.attention_kernel import attention
 
     def kernel(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return attention(*args, **kwargs, tile=tile)
@@ -56,7 +56,7 @@ def triton(tile: Tile, window: int | None) -> Kernel:
 
 
 def band(tile: Tile) -> Kernel:
-    from app.engine.hf.triton_attention import attention
+    from app.engine.hf.attention_kernel import attention
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch, heads, tokens, dim = q.shape

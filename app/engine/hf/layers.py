@@ -145,7 +145,7 @@ def chunk_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     `grouped_attention`, the chunk's own tokens causally, and the two softmaxes merged by their
     log-sum-exps.
 
-    On CUDA in bf16 or fp16, where Triton is, app/engine/hf/triton_attention.py's kernel reads the
+    On CUDA in bf16 or fp16, where Triton is, app/engine/hf/attention_kernel.py's kernel reads the
     earlier tokens (about twice as fast as SDPA's memory-efficient kernel at head size 512 on an
     H200) and a sliding layer's whole band (a third of the masked SDPA's time): docs/benchmarks.md has
     the probe. `chunk_attention_with` is the same with the kernel given (None: torch's only)."""
@@ -155,7 +155,7 @@ def chunk_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
 def chunk_attention_with(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None, queries: torch.Tensor,
                          keys: torch.Tensor, values: torch.Tensor, scaling: float, window: int | None) -> torch.Tensor:
-    """`chunk_attention` through `kernel` (`triton_attention.attention`'s signature), or through
+    """`chunk_attention` through `kernel` (`attention_kernel.attention`'s signature), or through
     torch's kernels alone where it is None."""
     batch, heads, tokens, dim = queries.shape
     past = keys.shape[2] - tokens
@@ -189,9 +189,9 @@ def chunk_attention_with(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]
 
 @functools.cache
 def triton_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """triton_attention.attention where Triton imports (CUDA builds of torch ship it), else None."""
+    """attention_kernel.attention where Triton imports (CUDA builds of torch ship it), else None."""
     try:
-        from app.engine.hf.triton_attention import attention
+        from app.engine.hf.attention_kernel import attention
     except ImportError:
         return None
     return attention

@@ -130,7 +130,7 @@ def compile_counts(runner: DiffusionRunner) -> tuple[int, int, int]:
         from app.engine.hf.moe.fused import compiled_kernels
 
         triton = compiled_kernels()
-        attention = sys.modules.get("app.engine.hf.triton_attention")
+        attention = sys.modules.get("app.engine.hf.attention_kernel")
         if attention is not None:
             triton += attention.compiled_kernels()
     return captures, compiled, triton

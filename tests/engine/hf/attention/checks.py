@@ -1,5 +1,5 @@
-"""Run by tests/engine/hf/attention/test_triton_attention.py in the CPU vLLM venv (it has Triton) with
-TRITON_INTERPRET=1: app/engine/hf/triton_attention.py's kernel on CPU tensors against float64
+"""Run by tests/engine/hf/attention/test_attention_kernel.py in the CPU vLLM venv (it has Triton) with
+TRITON_INTERPRET=1: app/engine/hf/attention_kernel.py's kernel on CPU tensors against float64
 arithmetic. Prints one JSON object of the largest errors per case; the tests assert on them.
 
     TRITON_INTERPRET=1 python tests/engine/hf/attention/checks.py
@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
 import torch  # noqa: E402
 
-from app.engine.hf.triton_attention import attention  # noqa: E402
+from app.engine.hf.attention_kernel import attention  # noqa: E402
 
 
 def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

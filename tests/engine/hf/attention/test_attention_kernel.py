@@ -1,4 +1,4 @@
-"""app/engine/hf/triton_attention.py's kernel (a long prompt's chunks on CUDA) in Triton's interpreter
+"""app/engine/hf/attention_kernel.py's kernel (a long prompt's chunks on CUDA) in Triton's interpreter
 on the CPU, through checks.py in the CPU vLLM venv (it has Triton): the output and the log-sum-exp
 against float64 arithmetic, rows and keys off the tiles' multiples, the keys a strided view of a
 longer cache; and layers.chunk_attention_with the kernel (what chunk_attention runs on CUDA) against
