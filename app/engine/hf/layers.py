@@ -11,6 +11,7 @@ docs/design.md §4.7 and §5.2.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     # A text layer of the prompt encoder or of the decoder, and its attention module.
     TextLayer = DiffusionGemmaEncoderTextLayer | DiffusionGemmaDecoderTextLayer
     TextAttention = DiffusionGemmaEncoderTextAttention | DiffusionGemmaDecoderTextAttention
+
+log = logging.getLogger("djev.engine")
 
 # A forward as `install` and `install_vision` give it to a layer.
 Forward = Callable[..., torch.Tensor]
@@ -147,10 +150,34 @@ def chunk_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
     On CUDA in bf16 or fp16, where Triton is, app/engine/hf/attention_kernel.py's kernel reads the
     earlier tokens (about twice as fast as SDPA's memory-efficient kernel at head size 512 on an
-    H200) and a sliding layer's whole band (a third of the masked SDPA's time): docs/benchmarks.md has
-    the probe. `chunk_attention_with` is the same with the kernel given (None: torch's only)."""
-    cuda = queries.is_cuda and queries.dtype in (torch.bfloat16, torch.float16)
-    return chunk_attention_with(triton_kernel() if cuda else None, queries, keys, values, scaling, window)
+    H200) and a sliding layer's whole band (a fifth of the masked SDPA's time): docs/benchmarks.md has
+    the probe. `chunk_attention_with` is the same with the kernel given (None: torch's only). Where
+    the kernel does not build on this GPU (its tiles need more shared memory than, say, a consumer
+    card has), the first chunk says so in the log and every chunk after takes torch's path; the
+    start-up's chunked warm-up meets that before `ready`."""
+    kernel = kernel_for(queries)
+    if kernel is not None:
+        try:
+            return chunk_attention_with(kernel, queries, keys, values, scaling, window)
+        except Exception as exc:  # noqa: BLE001 - only Triton's own failures are caught; the rest re-raise
+            if not type(exc).__module__.startswith("triton"):
+                raise
+            KERNEL_FAILURES.append(f"{type(exc).__name__}: {exc}"[:300])
+            log.warning("the Triton chunk attention does not run on this GPU (%s); long prompts take torch's "
+                        "kernels", KERNEL_FAILURES[-1])
+    return chunk_attention_with(None, queries, keys, values, scaling, window)
+
+
+# Why the Triton chunk attention stopped being used in this process (empty while it is used).
+KERNEL_FAILURES: list[str] = []
+
+
+def kernel_for(queries: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The Triton kernel for a chunk of these queries: on CUDA in bf16 or fp16, where Triton imports
+    and the kernel has not failed to build here; else None (torch's kernels)."""
+    if KERNEL_FAILURES or not queries.is_cuda or queries.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return triton_kernel()
 
 
 def chunk_attention_with(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None, queries: torch.Tensor,
