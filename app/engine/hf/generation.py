@@ -52,6 +52,8 @@ class GenerationMixin:
 
         def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+        def finish_turn(self) -> None: ...
+
     @torch.no_grad()
     def start_generation(
         self, spec: GenerateSpec, canvas_length: int, preprocessed: Preprocessed | None = None,
@@ -81,6 +83,7 @@ class GenerationMixin:
             raise RuntimeError("this generation has finished")
         if gen.pending is not None:
             self._commit(gen, gen.pending)
+            self.finish_turn()  # its own turn: nothing reads the commit back, so wait for it here
             gen.pending = None
             return None
         remaining_tokens = gen.spec.max_tokens - len(gen.produced)

@@ -99,41 +99,6 @@ def test_the_chunks_of_a_long_read_take_turns_with_short_reads(tiny_dir, tokeniz
     assert len(result.slots) == 3
 
 
-def test_each_chunk_waits_for_its_device_work_before_its_turn_ends(tiny_dir, tokenizer, monkeypatch):
-    """A chunk's turn ends once its device work is done (`finish_turn`, a stream synchronisation on
-    CUDA), never with that work still queued behind the host for the next reads to wait out."""
-    runner = make_tiny_reader(tiny_dir, prefill_chunk=48).runner
-    waited: list[int] = []
-    monkeypatch.setattr(runner, "finish_turn", lambda: waited.append(runner.stats["encoder_chunks"]))
-    steps = runner.read_steps([long_spec(tokenizer)])
-    at_turn_ends = []
-    while True:
-        try:
-            next(steps)
-        except StopIteration:
-            break
-        at_turn_ends.append((runner.stats["encoder_chunks"], len(waited)))
-    chunks = -(-len(long_spec(tokenizer).prompt.ids) // 48)
-    assert waited == list(range(1, chunks + 1))  # once after each chunk, in order
-    assert all(encoded == synchronised for encoded, synchronised in at_turn_ends)
-
-
-def test_finish_turn_synchronises_only_a_cuda_device(tiny_dir, monkeypatch):
-    runner = make_tiny_reader(tiny_dir).runner
-    calls: list[object] = []
-
-    class Stream:
-        def synchronize(self) -> None:
-            calls.append("synchronised")
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: calls.append(device) or Stream())
-    runner.finish_turn()
-    assert calls == []  # the CPU runs each op to its end
-    monkeypatch.setattr(runner, "device", torch.device("cuda", 0))
-    runner.finish_turn()
-    assert calls == [torch.device("cuda", 0), "synchronised"]
-
-
 def test_the_prompt_lru_is_bounded_in_bytes_and_evicts_the_oldest_first():
     from app.engine.hf.prompts import PromptCache
 
