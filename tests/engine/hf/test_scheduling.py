@@ -480,4 +480,3 @@ def test_the_collectors_full_passes_are_timed_while_the_reader_runs():
     assert runner.stats["gc_full_passes"] == 1 and runner.stats["gc_full_ms"] >= 0
     gc.collect()  # after stop: no longer watched
     assert runner.stats["gc_full_passes"] == 1
-
