@@ -14,8 +14,9 @@ in blocks with an online softmax, and stores the output and the log-sum-exp per 
   (position - window, position]: causal, and the sliding window. The programs skip the key blocks
   wholly outside their rows' band.
 - With `parts` 2, two programs share a block of query rows, each computing the scores (the
-  query-key product done twice) but holding half the accumulator: at head size 512 the registers of
-  one program could not hold it whole (probe: docs/benchmarks.md).
+  query-key product done twice) but holding half the accumulator: at head size 512 on the H200 that
+  ran faster than one program holding it whole (28.7 against 36.5 ms a chunk at 100k keys; the
+  probe in docs/benchmarks.md).
 
 INTERPRETED (Triton's interpreter, the CPU tests) works around its wrong bf16 `tl.dot` by taking the
 operands to fp32 (a bf16 product is exact in fp32, and the tensor cores accumulate in fp32 too).
@@ -39,7 +40,7 @@ SMALL_TILE = (64, 32, 4, 1, 1)  # any other head size (the tiny test model's)
 
 # The lengths a prompt changes are not specialised (one compile serves every prompt). The strides
 # are: Triton's specialisation on multiples of 16 is what lets it load the tiles in wide vectors (the
-# H200 probe: 82 ms a chunk with every integer unspecialised, 26 ms with none), and
+# H200 probe: 82 ms a chunk with every integer unspecialised, 26-29 ms otherwise), and
 # every stride here is a multiple of the head size, so the compiles stay one per head size and tile.
 _LENGTHS = ("rows", "keys", "offset", "window")
 
