@@ -254,8 +254,13 @@ def compiled_kernels() -> int:
         return 0
     from app.engine.hf.moe.kernels import down_kernel, gate_up_kernel
 
+    return jit_compiles(gate_up_kernel, down_kernel)
+
+
+def jit_compiles(*kernels: object) -> int:
+    """How many binaries Triton has compiled for these @triton.jit kernels (every specialisation)."""
     total = 0
-    for kernel in (gate_up_kernel, down_kernel):
+    for kernel in kernels:
         caches = getattr(kernel, "device_caches", None) or {}
         for entry in caches.values():
             total += len(entry[0]) if isinstance(entry, tuple) and entry else 0
