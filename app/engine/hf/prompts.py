@@ -505,7 +505,10 @@ class PromptEncodingMixin:
         for batch in self._prompt_batches(text, [len(key[0]) for key, _ in text]):
             rows = [list(key[0]) for key, _ in batch]
             self._store(batch, self._encode_ids(rows), [len(ids) for ids in rows], results)
-        self._encode_over_prefixes(groups, results)
+        refused = self._encode_over_prefixes(groups, results)
+        for batch in self._prompt_batches(refused, [len(key[0]) for key, _ in refused]):
+            whole = [list(key[0]) for key, _ in batch]
+            self._store(batch, self._encode_ids(whole), [len(ids) for ids in whole], results)
         images = self._over_image_prefixes(images, results)
         embedded: list[Pending] = []
         expanded: list[dict[str, torch.Tensor]] = []
@@ -517,18 +520,24 @@ class PromptEncodingMixin:
                 for index in indices:
                     results[index] = exc
         self._image_features(expanded, [key[1] for key, _ in embedded])
-        embeds = [self.input_embeds(inputs) for inputs in expanded]
-        order = list(range(len(embedded)))
-        for batch in self._prompt_batches(list(zip(embedded, order)), [int(embeds[i].shape[0]) for i in order]):
-            rows = [embeds[i] for _, i in batch]
-            self._store([item for item, _ in batch], self._encode_embeds(rows), [int(r.shape[0]) for r in rows],
-                        results)
+        embeds = {key: self.input_embeds(inputs) for (key, _), inputs in zip(embedded, expanded)}
+        whole_images, groups = self._by_prefix(embedded, embeds)
+        for batch in self._image_batches(whole_images, embeds):
+            self._store(batch, self._encode_embeds([embeds[key] for key, _ in batch]),
+                        [int(embeds[key].shape[0]) for key, _ in batch], results)
+        for batch in self._image_batches(self._encode_over_prefixes(groups, results, embeds), embeds):
+            self._store(batch, self._encode_embeds([embeds[key] for key, _ in batch]),
+                        [int(embeds[key].shape[0]) for key, _ in batch], results)
         for key, _ in embedded:
             sources = self.image_sources.get(key[1]) or ()
             self.image_sources.put(key[1], (key, *sources[:IMAGE_SOURCES - 1]))
         outcomes = [result for result in results if result is not None]
         assert len(outcomes) == len(results), "every prompt has its KV or its exception"
         return outcomes
+
+    def _image_batches(self, items: list[Pending], embeds: Mapping[CacheKey, torch.Tensor]) -> list[list[Pending]]:
+        """Image prompts to encode whole, in passes (`_prompt_batches` over their embeddings' lengths)."""
+        return self._prompt_batches(items, [int(embeds[key].shape[0]) for key, _ in items])
 
     def _prompt_batches(self, items: list[Item], lengths: list[int], prefix: int = 0) -> list[list[Item]]:
         """`items` grouped into encoder passes, shortest first: a pass holds at most `max_rows` rows and
@@ -558,42 +567,62 @@ class PromptEncodingMixin:
     def _over_image_prefixes(self, images: list[Pending], results: list[EncodedPrompt | Exception | None]) -> list[Pending]:
         """Image prompts that begin as one encoded whole before with the same images, through every
         image (a walk frame's gated stage: the question sheet and the frame lead both prompts, the
-        restated answers follow), encoded as their text suffix over that prompt's first tokens' KV:
-        on the encoder graphs' static path where it fits, else (no graphs: the CPU) eagerly over the
-        prefix as a long prompt's chunk is; with graphs and no fit, whole as before. Returns the rest."""
-        window = int(self.text_config.sliding_window)
-        image_id = self.config.image_token_id
+        restated answers follow), encoded as their text suffix over that prompt's first tokens' KV.
+        With encoder graphs, on their static path: the prompts whose prefixes have one length (the
+        frames of one sheet, each over its own frame) share passes, each row over its own prefix;
+        a prompt no pass holds is encoded whole. Without (the CPU), each eagerly over its prefix as
+        a long prompt's chunk is. Returns the prompts left to encode whole."""
+        graphs = self.encoder_graphs
         rest: list[Pending] = []
-        for key, indices in images:
-            ids, digests = key
-            known = self.vision.get(digests)
-            encoded = None
-            for source_key in (self.image_sources.get(digests) or ()) if known else ():
-                source = self.prompts.get(source_key)
-                if source is None or source.length >= window:  # gone, or its sliding layers cropped
-                    continue
-                shared = common_length(ids, source_key[0])
-                if shared >= len(ids) or ids[:shared].count(image_id) != len(digests):
-                    continue  # nothing follows the images, or the prompts part before the last image
-                assert known  # (the loop runs only when it is known)
-                length = shared + sum(count + 1 for count in known[0])  # each placeholder: begin, soft tokens, end
-                suffix = list(ids[shared:])
-                graphs = self.encoder_graphs
-                if length > source.length or (graphs is not None and not graphs.fits(1, len(suffix), length)):
-                    break  # (with graphs and no bucket for it: whole, as before, without copying the prefix)
+        over: dict[int, list[tuple[Pending, EncodedPrompt, list[int]]]] = {}  # by prefix length
+        for item in images:
+            found = self._image_prefix(item[0])
+            if found is None:
+                rest.append(item)
+            elif graphs is None:
+                source, length, suffix = found
                 prefix = EncodedPrompt(copy_rows([[(k[:, :, :length], v[:, :, :length])
                                                     for k, v in source.layers]])[0], length)
-                layers = self._static_pass([suffix], prefix)
-                if layers is None and self.encoder_graphs is None:
-                    layers = [self._encode_over(prefix, suffix)]
-                if layers is not None:
-                    self._store([(key, indices)], layers, [length + len(suffix)], results)
-                    self.stats["image_prefix_hits"] += 1
-                    encoded = layers
-                break
-            if encoded is None:
-                rest.append((key, indices))
+                self._store([item], [self._encode_over(prefix, suffix)], [length + len(suffix)], results)
+                self.stats["image_prefix_hits"] += 1
+            else:
+                over.setdefault(found[1], []).append((item, found[0], found[2]))
+        for length, members in over.items():
+            assert graphs is not None  # (members are gathered only with graphs)
+            for batch in self._prompt_batches(members, [len(suffix) for _, _, suffix in members], length):
+                rows = [suffix for _, _, suffix in batch]
+                prefix = ([source.layers for _, source, _ in batch], length)
+                layers = self._counted(graphs, graphs.encode_ids(rows, self.pad_id, prefix=prefix))
+                if layers is None:
+                    rest.extend(item for item, _, _ in batch)
+                    continue
+                self._store([item for item, _, _ in batch], layers, [length + len(row) for row in rows], results)
+                self.stats["image_prefix_hits"] += len(batch)
         return rest
+
+    def _image_prefix(self, key: CacheKey) -> tuple[EncodedPrompt, int, list[int]] | None:
+        """(the source prompt's KV, the shared prefix's tokens as the model saw them, the text suffix)
+        for an image prompt that another one, encoded whole and still in the LRU uncropped, began as
+        through all the same images; None where none did, or (with graphs) no pass holds it."""
+        window = int(self.text_config.sliding_window)
+        ids, digests = key
+        known = self.vision.get(digests)
+        if known is None:
+            return None
+        for source_key in self.image_sources.get(digests) or ():
+            source = self.prompts.get(source_key)
+            if source is None or source.length >= window:  # gone, or its sliding layers cropped
+                continue
+            shared = common_length(ids, source_key[0])
+            if shared >= len(ids) or ids[:shared].count(self.config.image_token_id) != len(digests):
+                continue  # nothing follows the images, or the prompts part before the last image
+            length = shared + sum(count + 1 for count in known[0])  # each placeholder: begin, soft tokens, end
+            suffix = list(ids[shared:])
+            graphs = self.encoder_graphs
+            if length > source.length or (graphs is not None and not graphs.fits(1, len(suffix), length)):
+                return None  # (with graphs and no bucket for it: whole, as before)
+            return source, length, suffix
+        return None
 
     def _encode_over(self, prefix: EncodedPrompt, ids: list[int]) -> Layers:
         """`ids` encoded eagerly over `prefix`'s KV as a long prompt's chunk is (`ChunkMask`): the
@@ -613,21 +642,29 @@ class PromptEncodingMixin:
         self.stats["encoder_passes"] += 1
         return copy_layers(cache)
 
-    def _by_prefix(self, text: list[Pending]) -> tuple[list[Pending], list[_PrefixGroup]]:
-        """The text prompts to encode split into those encoded whole and groups over a shared prefix:
+    def _by_prefix(self, items: list[Pending], embeds: Mapping[CacheKey, torch.Tensor] | None = None,
+                   ) -> tuple[list[Pending], list[_PrefixGroup]]:
+        """The prompts to encode split into those encoded whole and groups over a shared prefix:
         the longest in the prefix LRU, or the longest another prompt began with (PREFIX_MIN tokens or
         more) where there is none or it is longer by PREFIX_MIN tokens or more (so the prompts of a
         sheet share one prefix, not one for each pair of states that begin alike); of those, the
-        first that a pass over it fits. Only with encoder graphs (the static path runs passes over a
+        first that a pass over it fits. Text prompts' prefixes come from all their ids; image
+        prompts' (`embeds`: their input embeddings, by cache key) from the text ahead of their
+        first image, so the frames of one question sheet share the sheet's KV and only the frame
+        and what follows it is encoded. Only with encoder graphs (the static path runs passes over a
         prefix). Every prompt's prefixes are recorded for later ones."""
         graphs = self.encoder_graphs
         if graphs is None or self.prefixes.entries <= 0:
-            return text, []
+            return items, []
         whole: list[Pending] = []
         groups: dict[int, _PrefixGroup] = {}
-        for item in text:
+        for item in items:
             key = item[0]
             ids = key[0]
+            size = len(ids)
+            if embeds is not None:  # the text before the first image (a prefix ends before it), and the whole
+                lead = ids.index(self.config.image_token_id) if self.config.image_token_id in ids else len(ids)
+                ids, size = ids[:lead + 1], int(embeds[key].shape[0])
             hashes = self.prefix_index.hashes(ids)
             cached = self.prefix_index.longest(hashes, lambda value: self._cached_prefix(value, ids))
             seen = self.prefix_index.seen(hashes, key)
@@ -642,7 +679,7 @@ class PromptEncodingMixin:
                 candidates.append((cached[0], None, cached[1]))
             group = None
             for length, source, encoded in candidates:
-                if graphs.fits(1, len(ids) - length, length):
+                if graphs.fits(1, size - length, length):
                     group = self._join(groups, hashes[length // self.prefix_index.block - 1], ids[:length],
                                        source, encoded)
                     break
@@ -670,28 +707,35 @@ class PromptEncodingMixin:
             return None
         return entry[1]
 
-    def _encode_over_prefixes(self, groups: list[_PrefixGroup], results: list[EncodedPrompt | Exception | None]) -> None:
+    def _encode_over_prefixes(self, groups: list[_PrefixGroup], results: list[EncodedPrompt | Exception | None],
+                              embeds: Mapping[CacheKey, torch.Tensor] | None = None) -> list[Pending]:
         """Each group's prefix KV (cached, sliced from the prompt that began with it, or encoded),
-        then its prompts' suffixes in passes over it; a batch the static path turns down is encoded
-        whole."""
+        then its prompts' suffixes in passes over it: text prompts' ids, or image prompts'
+        embeddings (`embeds`, by cache key). Returns the prompts of the batches the static path
+        turned down, for the caller to encode whole."""
+        graphs = self.encoder_graphs
+        refused: list[Pending] = []
         for group in groups:
+            assert graphs is not None  # (`_by_prefix` makes groups only with graphs)
             if group.encoded is None:
                 group.encoded = self._prefix_kv(group)
                 self.prefixes.put(group.value, (group.ids, group.encoded))
             length = len(group.ids)
+            prefix = ([group.encoded.layers], length)
             items = group.items
-            refused: list[Pending] = []
-            for batch in self._prompt_batches(items, [len(key[0]) - length for key, _ in items], length):
-                rows = [list(key[0][length:]) for key, _ in batch]
-                layers = self._static_pass(rows, group.encoded)
+            sizes = {key: (int(embeds[key].shape[0]) if embeds is not None else len(key[0])) for key, _ in items}
+            for batch in self._prompt_batches(items, [sizes[key] - length for key, _ in items], length):
+                if embeds is None:
+                    layers = graphs.encode_ids([list(key[0][length:]) for key, _ in batch], self.pad_id, prefix=prefix)
+                else:
+                    layers = graphs.encode_embeds([embeds[key][length:] for key, _ in batch], prefix)
+                layers = self._counted(graphs, layers)
                 if layers is None:
                     refused.extend(batch)
                     continue
                 self.stats["prefix_hits"] += len(batch)
-                self._store(batch, layers, [length + len(row) for row in rows], results)
-            for batch in self._prompt_batches(refused, [len(key[0]) for key, _ in refused]):
-                whole = [list(key[0]) for key, _ in batch]
-                self._store(batch, self._encode_ids(whole), [len(ids) for ids in whole], results)
+                self._store(batch, layers, [sizes[key] for key, _ in batch], results)
+        return refused
 
     def _prefix_kv(self, group: _PrefixGroup) -> EncodedPrompt:
         """A new shared prefix's KV: the first tokens of the prompt that began with it where that
@@ -715,7 +759,7 @@ class PromptEncodingMixin:
         if graphs is None:
             return None
         return self._counted(graphs, graphs.encode_ids(
-            rows, self.pad_id, prefix=(prefix.layers, prefix.length) if prefix else None))
+            rows, self.pad_id, prefix=([prefix.layers], prefix.length) if prefix else None))
 
     def _store(self, batch: list[Pending], layers: list[Layers], lengths: list[int],
                results: list[EncodedPrompt | Exception | None]) -> None:

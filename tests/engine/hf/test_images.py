@@ -310,6 +310,57 @@ def test_a_walk_decisions_gated_stage_reuses_the_frames_prompt(wide_dir):
     assert reader.stats["image_prefix_hits"] == 1 and reader.stats["vision_passes"] == 1
 
 
+# A sheet long enough for a shared prefix (PREFIX_MIN tokens) ahead of the frame.
+LONG_SHEET = SHEET + "".join(f"\n\nQuestion q{n}: Is sign number {n} in view?\n  yes\n  no" for n in range(3, 9))
+COLOURS = ((90, 160, 40), (10, 10, 200), (200, 30, 30))
+
+
+def frames_of_one_sheet(tokenizer, restated: bool = False):
+    from app.decisions.prompt import restated_state
+
+    state = restated_state("Walking forward.", ["q1: no"]) if restated else "Walking forward."
+    text = tuple(tokenizer.render_chat(LONG_SHEET, state, 1, False))
+    return [Prompt(text, (ImageInput(jpeg(colour), "image/jpeg", "frame"),)) for colour in COLOURS]
+
+
+def wide_graphed(wide_dir):
+    from tests.engine.hf.graphs.test_encoder import graphed_runner
+
+    return graphed_runner(wide_dir, lengths=(16, 32, 64, 128, 256, 384))
+
+
+def test_frames_of_one_sheet_are_encoded_over_the_sheets_kv_and_equal_the_whole_encoding(wide_dir, tokenizer):
+    """The first frame is encoded whole; later frames of the sheet take its KV up to the frame
+    (sliced once, then kept) and encode only the frame and what follows it, in one pass."""
+    from tests.engine.hf.graphs.test_encoder import assert_same_kv
+
+    frames = frames_of_one_sheet(tokenizer)
+    runner = wide_graphed(wide_dir)
+    runner.encode_many(frames[:1])
+    assert runner.stats["prefix_hits"] == 0
+    passes = runner.stats["encoder_passes"]
+    encoded = runner.encode_many(frames[1:])
+    assert runner.stats["prefix_hits"] == 2 and runner.stats["prefixes_sliced"] == 1
+    assert runner.stats["encoder_passes"] - passes == 1
+    eager = make_tiny_reader(wide_dir).runner
+    for prompt, kv in zip(frames[1:], encoded):
+        assert_same_kv(eager.encode_many([prompt])[0], kv)
+
+
+def test_the_gated_stages_of_several_frames_share_one_pass_each_over_its_own_frame(wide_dir, tokenizer):
+    from tests.engine.hf.graphs.test_encoder import assert_same_kv
+
+    runner = wide_graphed(wide_dir)
+    runner.encode_many(frames_of_one_sheet(tokenizer))
+    passes, hits = runner.stats["encoder_passes"], runner.stats["image_prefix_hits"]
+    seconds = frames_of_one_sheet(tokenizer, restated=True)
+    encoded = runner.encode_many(seconds)
+    assert runner.stats["image_prefix_hits"] - hits == 3 and runner.stats["encoder_passes"] - passes == 1
+    eager = make_tiny_reader(wide_dir).runner
+    for prompt, kv in zip(seconds, encoded):
+        assert_same_kv(eager.encode_many([prompt])[0], kv)
+
+
 @pytest.mark.parametrize("prefix_slots, reused", [((256,), True), ((64,), False)])
 def test_with_encoder_graphs_the_restated_stage_takes_the_static_path_or_is_encoded_whole(
         wide_dir, tokenizer, prefix_slots, reused):

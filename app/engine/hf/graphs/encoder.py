@@ -35,6 +35,10 @@ log = logging.getLogger("djev.engine")
 
 # One encoded prompt as the decoder reads it: per layer (keys, values), each [1, heads, n, dim].
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
+# What a pass's rows are encoded over: the prefixes' KV, one Layers for every row (a question sheet)
+# or one per row (each walk frame's own sheet and image, all of one length), and that length. Each
+# prefix's layers hold at least `length` tokens; only the first `length` are read.
+Prefix = tuple[Sequence[Layers], int]
 
 
 def token_major(tensor: torch.Tensor) -> torch.Tensor:
@@ -172,9 +176,9 @@ class EncoderGraphs:
     # ------------------------------------------------------------------ encoding
 
     def encode_ids(self, rows: Sequence[Sequence[int]], pad_id: int,
-                   prefix: tuple[Layers, int] | None = None) -> list[Layers] | None:
-        """Each row's KV, or None to go eager (no bucket, or graphs disabled). With `prefix` (its
-        layers and length), the rows are suffixes of that prefix, and each row's KV is the whole
+                   prefix: Prefix | None = None) -> list[Layers] | None:
+        """Each row's KV, or None to go eager (no bucket, or graphs disabled). With `prefix`, the
+        rows are suffixes of its prefixes (one shared, or one each), and each row's KV is the whole
         prompt's."""
         key = self._key_or_none(len(rows), max(len(ids) for ids in rows), prefix[1] if prefix else 0)
         if key is None:
@@ -188,16 +192,17 @@ class EncoderGraphs:
         return self._run(key, [len(ids) for ids in rows], lambda graph: graph.embeds[: len(rows)].copy_(embeds),
                          prefix)
 
-    def encode_embeds(self, rows: Sequence[torch.Tensor]) -> list[Layers] | None:
+    def encode_embeds(self, rows: Sequence[torch.Tensor], prefix: Prefix | None = None) -> list[Layers] | None:
         """The same from input embeddings ([n, hidden] each, e.g. with image features scattered in)."""
-        key = self._key_or_none(len(rows), max(int(embeds.shape[0]) for embeds in rows), 0)
+        key = self._key_or_none(len(rows), max(int(embeds.shape[0]) for embeds in rows), prefix[1] if prefix else 0)
         if key is None:
             return None
+
         def load(graph: _Graph) -> None:
             for row, embeds in enumerate(rows):
                 graph.embeds[row, : embeds.shape[0]].copy_(embeds)
 
-        return self._run(key, [int(embeds.shape[0]) for embeds in rows], load)
+        return self._run(key, [int(embeds.shape[0]) for embeds in rows], load, prefix)
 
     def _key_or_none(self, rows: int, longest: int, prefix: int) -> EncoderKey | None:
         if rows == 0 or longest == 0:
@@ -208,7 +213,7 @@ class EncoderGraphs:
         return key
 
     def _run(self, key: EncoderKey, lengths: list[int], load: Callable[[_Graph], object],
-             prefix: tuple[Layers, int] | None = None) -> list[Layers] | None:
+             prefix: Prefix | None = None) -> list[Layers] | None:
         """The pass for `key`: a held graph's replay, or for an unbucketed key the static path
         without a graph; None (the caller encodes eagerly) where a graphed key has no graph (frozen
         and not held, or its capture failed: counted). A failure while replaying fails this pass."""
@@ -224,16 +229,19 @@ class EncoderGraphs:
             self._forward(graph)
         return self._rows_layers(graph, lengths, prefix_length)
 
-    def _load_prefix(self, graph: _Graph, prefix: tuple[Layers, int]) -> int:
-        """The shared prefix's KV into every row's first slots, right-aligned, and its length into
-        the static input every graph reads (`prefix_length`); returns the length."""
-        layers, length = prefix
+    def _load_prefix(self, graph: _Graph, prefix: Prefix) -> int:
+        """The prefixes' KV into the rows' first slots, right-aligned (one shared prefix into every
+        row, padding rows too; one per row into its row), and their length into the static input
+        every graph reads (`prefix_length`); returns the length."""
+        rows, length = prefix
         slots = graph.cache.prefix_slots
         targets, sources = [], []
-        for index, (keys, values) in enumerate(layers):
-            for buffer, source in ((graph.cache.keys[index], keys), (graph.cache.values[index], values)):
-                targets.append(buffer[:, :, slots - length:slots])
-                sources.append(source.expand(graph.rows, -1, -1, -1))
+        for row, layers in enumerate(rows):
+            start, stop = (0, graph.rows) if len(rows) == 1 else (row, row + 1)
+            for index, (keys, values) in enumerate(layers):
+                for buffer, source in ((graph.cache.keys[index], keys), (graph.cache.values[index], values)):
+                    targets.append(buffer[start:stop, :, slots - length:slots])
+                    sources.append(source[:, :, :length].expand(stop - start, -1, -1, -1))
         copy_all(targets, sources)
         self.prefix_length.fill_(length)
         return length

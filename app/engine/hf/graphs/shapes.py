@@ -19,7 +19,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 LENGTH_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096)
 # A shared prefix's slots ahead of the suffixes (a question sheet's system turn is 100-500 tokens;
 # a longer one is encoded with each prompt, whole).
-PREFIX_BUCKETS = (256, 512)
+PREFIX_BUCKETS = (256, 512, 768)
 # An encoder batch whose buckets hold this many tokens (rows x length) or more runs the static path
 # without a graph (GPU-bound: launch overhead no longer matters), unpadded but for EAGER_STEP.
 EAGER_TOKENS = 8192

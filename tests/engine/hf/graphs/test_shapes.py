@@ -87,6 +87,22 @@ def test_every_encoder_shape_maps_to_a_captured_key_or_runs_unbucketed_or_falls_
     assert DEFAULT.encoder_key(1, 900, 600) is None  # a prefix pass past the sliding window
 
 
+# The walk page's frame at full size: 411 prompt ids ahead of the frame (the sheet), the frame's 280
+# soft tokens between begin and end, 62 ids after it; the gated stage restates the answer in 76.
+WALK_SHEET, WALK_FRAME, WALK_AFTER, WALK_RESTATED = 411, 282, 62, 76
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_both_stages_of_walk_frames_replay_graphs_over_their_prefixes(rows):
+    """Frames of one sheet: the frame and what follows it over the sheet's KV (its prefix ends at a
+    16-token block); their gated stages: the restated suffix over each frame's own prompt."""
+    sheet = WALK_SHEET // 16 * 16
+    first = DEFAULT.encoder_key(rows, WALK_SHEET - sheet + WALK_FRAME + WALK_AFTER, sheet)
+    second = DEFAULT.encoder_key(rows, WALK_RESTATED, WALK_SHEET + WALK_FRAME)
+    captured = set(DEFAULT.encoder_keys())
+    assert first in captured and second in captured
+
+
 def test_frames_go_through_the_vision_tower_in_passes_of_the_largest_bucket():
     assert DEFAULT.image_chunks(1) == [1] and DEFAULT.image_chunks(8) == [8]
     assert DEFAULT.image_chunks(19) == [8, 8, 3]
