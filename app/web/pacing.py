@@ -10,11 +10,19 @@ answer (admission promises from it), and `pace`, what the sessions are paced to 
 shares it out), which runs ahead of the capacity to find out whether the engine can do more.
 
 - A window where at least SATURATED_SHARE of the answers were *engine-bound* (the answer took at
-  least the interval its session was paced at, or a newer frame of the session was already waiting)
-  saw the engine answer all it could: capacity and pace both become that window's answers per second.
+  least the interval its session was paced at and at least BOUND_AGE_MS, or a newer frame of the
+  session was already waiting) saw the engine answer all it could: capacity and pace both become
+  that window's answers per second. (An answer within BOUND_AGE_MS is not engine-bound however
+  short the interval: a batching engine's pass can outlast the interval while it still has room
+  for more frames, and calling that saturated would pin the estimate to the sessions already in.)
+- A window where the engine kept up, with at most FRESH_SHARE of its answers engine-bound, proves
+  the engine answers that rate fresh: the capacity rises to it over `headroom` (never falls), so
+  admission, which promises at most capacity x headroom, promises no more than was answered fresh.
+  The sessions' own senders set that rate (a 2 fps camera never uses a 4 fps pace), so this is how
+  a server whose cameras send slower than they are paced still learns: each such window lets in
+  about 1 / headroom times the answers it saw, and the first window that saturates stops it.
 - A window where the engine kept up and the sessions asked for at least PRESSING_SHARE of the pace
-  proves the engine can answer what it answered (capacity rises to that rate, never falls), and the
-  pace goes PROBE_GAIN higher: the next window tests it.
+  probes the pace PROBE_GAIN higher: the next window tests it.
 - A window where the engine kept up, when the reader says how long its engine was busy (the hf
   engine's `busy_ms`), also says how much more it could do: its answers per second over the share
   of the window the engine was busy, times EXTRAPOLATION_SAFETY, at most MAX_EXTRAPOLATION times the
@@ -22,7 +30,7 @@ shares it out), which runs ahead of the capacity to find out whether the engine 
   linearly, and busy time other traffic took counts against the cameras. This lets a server that
   has seen four cameras cost 10 % of its engine admit many more within one window, rather than
   PROBE_GAIN more a window.
-- Any other window (few sessions, clients slower than their pace) says nothing new.
+- Any other window (too few answers fresh, a pace the sessions did not press) says nothing new.
 
 Both start from `capacity_start`, a conservative prior: a session admitted on an optimistic guess can
 never be closed again, so the server admits only what it has seen it can serve, and more once it has
@@ -43,6 +51,10 @@ from dataclasses import dataclass
 MIN_SAMPLES = 8
 # At least this share of a window's answers engine-bound: the engine was the limit (saturated).
 SATURATED_SHARE = 0.5
+# At most this share engine-bound: the engine answered the window's rate fresh (the capacity may grow).
+FRESH_SHARE = 0.1
+# An answer younger than this is never engine-bound: half the walk page's 1.5 s stale guard.
+BOUND_AGE_MS = 750
 # The sessions asked for at least this share of the pace and the engine kept up: probe higher.
 PRESSING_SHARE = 0.8
 # How much higher a probe goes, once a window: the next window paces the sessions to it and tells
@@ -88,7 +100,7 @@ class Window:
     engine_bound: int
     seconds: float
     rate: float  # answers per second over the window
-    verdict: str  # "saturated", "extrapolated", "probed" or "unchanged"
+    verdict: str  # "saturated", "extrapolated", "grown", "probed" or "unchanged"
     capacity: float  # the estimate after this window
     pace: float
 
@@ -149,7 +161,7 @@ class Pacer:
             closed = self._close(now - self._start, busy)
             self._start, self._busy_start = now, busy_ms
         self._answers += 1
-        if waiting or age_s * 1000 >= interval_ms:
+        if waiting or age_s * 1000 >= max(interval_ms, BOUND_AGE_MS):
             self._bound += 1
         return closed
 
@@ -165,12 +177,15 @@ class Pacer:
             self.capacity = implied
             self.pace = max(self.pace, implied)
             self.measured = True
-        elif rate >= PRESSING_SHARE * self.pace:
-            verdict = "probed"
-            self.capacity = max(self.capacity, rate)
-            self.pace = max(self.pace, rate) * PROBE_GAIN
         else:
             verdict = "unchanged"
+            if bound <= FRESH_SHARE * answers and rate / self.rules.headroom > self.capacity:
+                verdict = "grown"
+                self.capacity = rate / self.rules.headroom
+            if rate >= PRESSING_SHARE * self.pace:
+                verdict = "probed" if verdict == "unchanged" else verdict
+                self.pace = max(self.pace, rate) * PROBE_GAIN
+            self.pace = max(self.pace, self.capacity)
         self._answers = self._bound = 0
         self.last_window = Window(answers, bound, seconds, rate, verdict, self.capacity, self.pace)
         return self.last_window
