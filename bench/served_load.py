@@ -330,7 +330,8 @@ async def closed_camera(url: str, api_key: str, frames: Frames, end: float, tall
             if message["type"] == "result":
                 tally.latencies.append(now() - started)
                 tally.count("answers")
-                await asyncio.sleep(min(hint_s(message, tally), max(0.0, end - now())))
+                # As the page: the next frame no sooner than next_frame_ms after this one was sent.
+                await asyncio.sleep(min(max(0.0, started + hint_s(message, tally) - now()), max(0.0, end - now())))
             else:
                 tally.error(str(message.get("status")))
     finally:
@@ -362,8 +363,8 @@ async def open_camera_client(url: str, api_key: str, frames: Frames, start: floa
                 settled.update(int(number) for number in message.get("dropped") or ())
                 tally.count("dropped", len(message.get("dropped") or ()))
                 hint = hint_s(message, tally)
-                if hint:
-                    not_before[0] = now() + hint
+                if hint:  # as the page: the next frame no sooner than next_frame_ms after this one's send
+                    not_before[0] = max(not_before[0], sent_at[frame] + hint)
             elif kind == "error":
                 tally.error(str(message.get("status")))
                 if isinstance(message.get("frame"), int):
