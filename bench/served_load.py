@@ -36,6 +36,9 @@ FPS_BUDGET = 30  # frames encoded ahead per closed-loop camera client and second
 FRAME_SIZE = (512, 384)  # the walk page's frames: 512 px wide, 4:3
 JPEG_QUALITY = 70  # the walk page encodes at 0.7
 CAMERA_FPS = 2.0
+# A camera refused at open asks again as the walk page does (app/static/js/walk.js busyWait), while a
+# session of at least MIN_SESSION_S is still left in the row.
+BUSY_FIRST_S, BUSY_MAX_S, MIN_SESSION_S = 2.0, 30.0, 2.0
 FRESH_S = 1.5  # the walk page shows no answer older than this (app/static/js/walk.js STALE_MS)
 now = time.monotonic
 
@@ -345,8 +348,17 @@ async def open_camera_client(url: str, api_key: str, frames: Frames, start: floa
     from websockets.exceptions import ConnectionClosed
 
     ws = await admitted_camera(url, api_key, tally)
-    if ws is None:
-        return
+    refusals = 0
+    while ws is None:  # as the walk page: ask again after 2 s, 4 s, ... 30 s, each jittered to 50-150 %
+        wait = min(BUSY_MAX_S, BUSY_FIRST_S * 2 ** refusals) * (0.5 + random.random())
+        refusals += 1
+        if now() + wait > end - MIN_SESSION_S:
+            return
+        await asyncio.sleep(wait)
+        tally.count("retries")
+        ws = await admitted_camera(url, api_key, tally)
+    opened = now()
+    start = max(start, opened)
     sent_at: dict[int, float] = {}
     settled: set[int] = set()  # answered, dropped or failed
     not_before = [0.0]
@@ -392,6 +404,7 @@ async def open_camera_client(url: str, api_key: str, frames: Frames, start: floa
     finally:
         receiver.cancel()
         tally.count("late frames", frames.late)
+        tally.count("session ms", round(1000 * (min(now(), end) - opened)))
         await ws.close()
 
 
