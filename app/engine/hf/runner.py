@@ -299,8 +299,9 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         """The same batch of reads as a generator that yields after each bounded step, so the engine
         can run other work between any two (app/engine/base.py's scheduling contract): each chunk of
         `prefill_chunk` tokens of a long prompt's encoding, the encoding of the other prompts, and
-        each decoder pass (a multi-step read's passes, and the passes of more canvases than
-        `max_rows`). Returns what `read` returns. Run it on the engine thread only."""
+        each decoder pass (a multi-step read's passes, and the passes of more canvases than one pass
+        holds: `ShapePolicy.decoder_passes`, at most `max_rows`, and fewer over long prompts). Returns
+        what `read` returns. Run it on the engine thread only."""
         results: list[ReadResult | Exception | None] = [None] * len(specs)
         # (No grad mode held across a yield: each step sets its own, so other work between two
         # steps runs in whatever mode it sets.)
@@ -327,8 +328,9 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         for steps, indices in by_steps.items():
             rows = [(index, canvas_no) for index in indices for canvas_no in range(len(specs[index].canvases))]
             reads: dict[tuple[int, int], tuple[SlotRead, ...]] = {}
-            for start in range(0, len(rows), self.max_rows):
-                chunk = rows[start:start + self.max_rows]
+            shapes = [(encoded[index].length, len(specs[index].canvases[canvas_no])) for index, canvas_no in rows]
+            for group in self.policy.decoder_passes(shapes, conditioned=steps > 1, graphs=self.graphs is not None):
+                chunk = [rows[row] for row in group]
                 if passes:
                     yield  # the next decoder pass of this batch: other work may go first
                 passes += steps

@@ -250,3 +250,37 @@ def test_loading_sets_the_heap_aside_from_the_collectors_passes(tiny_dir):
     frozen = gc.get_freeze_count()
     assert frozen > 10_000  # the model, the libraries: out of every later full pass
     assert not any(obj is reader.runner.model for obj in gc.get_objects(generation=2))
+
+
+def test_a_read_of_many_canvases_over_a_long_prompt_takes_passes_within_the_decoder_budget(tiny_dir, tokenizer):
+    """The rows of one read go through the decoder in passes of at most `decoder_slots` tokens
+    (rows x (prompt + canvas)), each pass a step of its own, and read what one pass reads."""
+    import dataclasses
+
+    from tests.conftest import make_tiny_reader
+
+    runner = make_tiny_reader(tiny_dir).runner
+    spec = spec_for(tokenizer, "a long state " * 20, "q1: yes", list(range(100, 110)))
+    prompt = runner.encode(spec.prompt).length
+    width = len(spec.canvases[0])
+    expected = runner.read([spec])[0]
+    runner.policy = dataclasses.replace(runner.policy, decoder_slots=3 * (prompt + width))
+    sizes: list[int] = []
+    real = runner.decoder_hidden
+
+    def counted(rows, conditioning=None):
+        sizes.append(len(rows))
+        return real(rows, conditioning)
+
+    runner.decoder_hidden = counted
+    steps = runner.read_steps([spec])
+    turns = 0
+    try:
+        while True:
+            next(steps)
+            turns += 1
+    except StopIteration as done:
+        got = done.value[0]
+    assert sizes == [3, 3, 3, 1] and turns == 3  # a yield between two passes
+    for a, b in zip(expected.slots, got.slots):
+        assert a[0].label_logprobs == pytest.approx(b[0].label_logprobs, abs=1e-4)

@@ -129,6 +129,37 @@ class ShapePolicy:
                 for rows in self.row_buckets for width in self.width_buckets]
         return [key for key in keys if self._decoder_fits(key)]
 
+    def decoder_passes(self, rows: Sequence[tuple[int, int]], conditioned: bool = False,
+                       graphs: bool = True) -> list[list[int]]:
+        """A read's rows (each its prompt's KV length and its canvas's width) split into decoder
+        passes, as indices into `rows`: shortest prompts first, at most `max_rows` rows a pass; with
+        `graphs`, a pass one graph holds grows only while a graph still holds it; a pass none holds
+        (rows over long prompts, no graphs at all, or `conditioned`: the self-conditioned graphs hold
+        `conditioned_rows`, and one eager pass of many rows beats as many one-row replays) only while
+        it stacks at most `decoder_slots` tokens (rows x (KV + width)), so no eager pass copies more KV
+        than the graphs' buffers hold. Every pass has a row."""
+        passes: list[list[int]] = []
+        current: list[int] = []
+        kv = width = 0
+        for index in sorted(range(len(rows)), key=lambda i: rows[i]):
+            grown_kv, grown_width = max(kv, rows[index][0]), max(width, rows[index][1])
+            graphed = graphs and not conditioned and self.decoder_key(len(current), width, kv, False) is not None
+            if current and not self._pass_holds(len(current) + 1, grown_kv, grown_width, conditioned, graphed):
+                passes.append(current)
+                current, grown_kv, grown_width = [], rows[index][0], rows[index][1]
+            current.append(index)
+            kv, width = grown_kv, grown_width
+        if current:
+            passes.append(current)
+        return passes
+
+    def _pass_holds(self, rows: int, kv: int, width: int, conditioned: bool, graphed: bool) -> bool:
+        if rows > self.max_rows:
+            return False
+        if graphed:
+            return self.decoder_key(rows, width, kv, conditioned) is not None
+        return rows * (kv + width) <= self.decoder_slots
+
     # ------------------------------------------------------------------ encoder
 
     def encoder_key(self, rows: int, longest: int, prefix: int = 0) -> EncoderKey | None:

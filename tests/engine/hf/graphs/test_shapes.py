@@ -103,6 +103,36 @@ def test_both_stages_of_walk_frames_replay_graphs_over_their_prefixes(rows):
     assert first in captured and second in captured
 
 
+def passes_of(rows, conditioned=False, graphs=True, policy=DEFAULT):
+    passes = policy.decoder_passes(rows, conditioned, graphs)
+    assert sorted(index for group in passes for index in group) == list(range(len(rows)))  # each row once
+    return [[rows[index] for index in group] for group in passes]
+
+
+def test_a_reads_rows_are_split_into_passes_a_graph_holds():
+    # 200 questions over a ~4,000-token prompt: passes of 16 rows (32 x (4,096 + 32) is past the buffers).
+    passes = passes_of([(4000, 32)] * 200)
+    assert [len(group) for group in passes] == [16] * 12 + [8]
+    assert all(DEFAULT.decoder_key(len(group), 32, 4000, False) is not None for group in passes)
+    # 255 options x 8 questions: a prompt of ~10,000 tokens, 64 canvases: four at a time.
+    assert {len(group) for group in passes_of([(10_000, 128)] * 64)} == {4}
+    # A batch of short tickets beside a 26k-token state: the tickets in one pass, the long state's
+    # canvases by twos, each pass graphed.
+    mixed = [(300, 32)] * 30 + [(26_000, 32)] * 3
+    passes = passes_of(mixed)
+    assert [len(group) for group in passes] == [30, 2, 1] and passes[0] == [(300, 32)] * 30
+    assert all(DEFAULT.decoder_key(len(g), max(w for _, w in g), max(k for k, _ in g), False) for g in passes)
+
+
+def test_rows_no_graph_holds_go_in_passes_within_the_buffers_tokens():
+    for kv, width in ((100_000, 32), (40_000, 128)):
+        passes = passes_of([(kv, width)] * 10)
+        assert all(len(group) * (kv + width) <= DEFAULT.decoder_slots or len(group) == 1 for group in passes)
+    assert [len(g) for g in passes_of([(300, 32)] * 64, conditioned=True)] == [64]  # 64 x 332 tokens
+    assert [len(g) for g in passes_of([(300, 32)] * 100, graphs=False)] == [64, 36]  # MAX_BATCH_ROWS
+    assert [len(g) for g in passes_of([(5000, 32)] * 20, graphs=False)] == [14, 6]  # 14 x 5,032 <= 72 K
+
+
 def test_frames_go_through_the_vision_tower_in_passes_of_the_largest_bucket():
     assert DEFAULT.image_chunks(1) == [1] and DEFAULT.image_chunks(8) == [8]
     assert DEFAULT.image_chunks(19) == [8, 8, 3]
