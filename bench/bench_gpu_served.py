@@ -63,6 +63,10 @@ from bench.served_load import (  # noqa: E402
 )
 
 COUNTER_WORDS = ("capture", "compile", "fallback", "recompile", "graph")
+# The engine's work in a row (its passes, their rows, the prompts encoded over a prefix, its busy time):
+# kept apart from the counters above, in each row's `engine` and the report's engine table.
+WORK_STATS = ("decoder_passes", "decoder_rows", "encoder_passes", "vision_passes", "prefix_hits",
+              "image_prefix_hits", "kv_hits", "kv_misses", "busy_ms")
 ROW_OVERHEAD_S = 6.0  # frames, the end's grace, the scrapes: what a row costs beyond its seconds, for the deadline
 now = time.monotonic
 
@@ -214,8 +218,8 @@ def wait_ready(server: Server, timeout: float) -> dict[str, Any]:
         time.sleep(0.2)
 
 
-def scrape(server: Server) -> dict[str, float]:
-    """The engine counters of /metrics whose names hold one of COUNTER_WORDS, by series."""
+def scrape(server: Server, words: Sequence[str] = COUNTER_WORDS) -> dict[str, float]:
+    """The engine counters of /metrics whose names hold one of `words`, by series."""
     import httpx
 
     try:
@@ -228,7 +232,7 @@ def scrape(server: Server) -> dict[str, float]:
             continue
         key, _, value = line.rpartition(" ")
         name = key.split("{", 1)[0]
-        if name.endswith("_created") or not any(word in name for word in COUNTER_WORDS):
+        if name.endswith("_created") or not any(word in name for word in words):
             continue
         try:
             series[key] = float(value)
@@ -419,9 +423,10 @@ def twin(server: Server, api_key: str, row: Row, clients: int, seconds: float, n
 def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, pool: ClientPool,
             api_key: str) -> dict[str, Any]:
     out: dict[str, Any] = {"row": row.key, "name": row.name, "kind": row.kind, "clients": row.clients}
-    before = scrape(server)
+    before, work = scrape(server), scrape(server, WORK_STATS)
     tallies = pool.run(worker_specs(row, number, args, server.url, api_key), args.seconds + 60.0)
     out["counters"] = deltas(before, scrape(server))
+    out["engine"] = deltas(work, scrape(server, WORK_STATS))
     names = sorted({name for tally in tallies for name in tally})
     merged = {name: merge([tally[name] for tally in tallies if name in tally]) for name in names}
     if row.kind == "camera_open":
@@ -561,9 +566,27 @@ def report(results: dict[str, Any]) -> str:
     if counters:
         lines += [f"engine counters that moved during each row (/metrics series naming {', '.join(COUNTER_WORDS)}):", "",
                   markdown_table(["row", "served", "in-process"], counters), ""]
+    work = [engine_row(p, results["args"]["seconds"]) for p in results["rows"] if p.get("engine")]
+    if work:
+        lines += ["the engine's work in each served row (/metrics deltas; rows a pass = decoder rows / passes):", "",
+                  markdown_table(["row", "decoder passes", "rows a pass", "encoder passes", "vision passes",
+                                  "over a prefix (sheet / frame)", "busy share"], work), ""]
     if results["notes"]:
         lines += ["notes:", ""] + [f"- {note}" for note in results["notes"]]
     return "\n".join(lines)
+
+
+def engine_row(point: dict[str, Any], row_seconds: float) -> list[Any]:
+    def stat(name: str) -> float:
+        return sum(value for key, value in point["engine"].items() if key.split("{", 1)[0].endswith(f"_{name}_total"))
+
+    passes = stat("decoder_passes")
+    seconds = (point.get("served") or {}).get("elapsed_s") or row_seconds
+    busy = stat("busy_ms") / 1000 / seconds if seconds else float("nan")
+    per_pass = stat("decoder_rows") / passes if passes else float("nan")
+    return [f"({point['row']}) {point['clients']}", f"{passes:g}", fmt(per_pass, 1),
+            f"{stat('encoder_passes'):g}", f"{stat('vision_passes'):g}",
+            f"{stat('prefix_hits'):g} / {stat('image_prefix_hits'):g}", fmt(busy, 2)]
 
 
 def counters_cell(moved: dict[str, float] | None) -> str:
