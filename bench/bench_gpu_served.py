@@ -571,6 +571,8 @@ def report(results: dict[str, Any]) -> str:
         lines += ["the engine's work in each served row (/metrics deltas; rows a pass = decoder rows / passes):", "",
                   markdown_table(["row", "decoder passes", "rows a pass", "encoder passes", "vision passes",
                                   "over a prefix (sheet / frame)", "busy share"], work), ""]
+    if results.get("stages"):
+        lines += stages_table(results["stages"])
     if results["notes"]:
         lines += ["notes:", ""] + [f"- {note}" for note in results["notes"]]
     return "\n".join(lines)
@@ -619,6 +621,48 @@ def levels(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
+# The workloads whose engine stages are timed after the rows (in process: `POST /bench/stages`).
+STAGE_RUNS = (("walk", 16), ("ticket", 32))
+
+
+def time_stages(args: argparse.Namespace, server: Server, results: dict[str, Any], deadline: float,
+                api_key: str) -> None:
+    """Where the engine's time goes in the walk and ticket loops: each run in process for
+    --twin-seconds with the hf runner's stages timed between device syncs (bench/served_load.py
+    `StageTimer`). The syncs slow the run: read the shares, not the rate."""
+    import httpx
+
+    results["stages"] = []
+    for workload, clients in STAGE_RUNS:
+        if now() + args.twin_seconds + ROW_OVERHEAD_S > deadline:
+            results["notes"].append(f"skipped the stage timing of {workload}: --deadline")
+            continue
+        response = httpx.post(server.url + "/bench/stages", headers=auth_headers(api_key),
+                              timeout=args.twin_seconds + 180,
+                              json={"workload": workload, "clients": clients, "seconds": args.twin_seconds,
+                                    "tag": f"stages-{workload}", "frames_per_client": 64})
+        response.raise_for_status()
+        body = response.json()
+        results["stages"].append({"workload": workload, "clients": clients, **body})
+        print(f"  stages of {workload} at {clients}: "
+              + ", ".join(f"{name} {stage['share']:.2f}" for name, stage in body["stages"].items() if stage["calls"]),
+              flush=True)
+
+
+def stages_table(runs: list[dict[str, Any]]) -> list[str]:
+    rows = []
+    for run in runs:
+        served = closed_summary(run["tally"])
+        for name, stage in run["stages"].items():
+            if stage["calls"]:
+                rows.append([f"{run['workload']} x {run['clients']} ({fmt(served['per_s'], 1)}/s timed)", name,
+                             stage["calls"], fmt(stage["ms_a_call"], 1), fmt(stage["rows_a_call"], 1),
+                             fmt(stage["share"] * 100, 0) + " %"])
+    return ["where the engine's time goes, in process with every stage timed between device syncs (stages nest: "
+            "read_steps holds the rest, encode_many the vision and encoder stages; share = of the run's seconds):", "",
+            markdown_table(["loop", "stage", "calls", "ms a call", "rows a call", "share"], rows), ""]
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny config on the CPU (a smoke test of this script)")
@@ -635,6 +679,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--closed-cameras", default=None, help="row (d) cameras (default 8,32; --quick 8)")
     parser.add_argument("--open-cameras", default=None, help="row (e) cameras (default 8,16,32,64; --quick 8,32)")
     parser.add_argument("--no-steady", dest="steady", action="store_false", help="skip row (f)")
+    parser.add_argument("--no-stages", dest="stages", action="store_false",
+                        help="skip timing the engine's stages in the walk and ticket loops after the rows")
     parser.add_argument("--heavy-tokens", type=int, default=None, help="row (f): the long state, tokens (default "
                                                                        "26000; --tiny 1500)")
     parser.add_argument("--heavy-think", type=int, default=None, help="row (f): the think budget (default 4096; "
@@ -733,6 +779,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["startup"] = wait_ready(server, min(args.startup_timeout, deadline - now()))
         print(f"  ready in {results['startup']['ready_s']} s", flush=True)
         measure(args, server, pool, results, deadline, api_key)
+        if args.stages:
+            time_stages(args, server, results, deadline, api_key)
     except (Deadline, RuntimeError, OSError) as exc:
         results["stopped"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         results["notes"].append(f"stopped: {str(exc)[:2000]}")

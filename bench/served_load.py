@@ -633,8 +633,70 @@ async def run_inprocess(services: Any, spec: dict[str, Any]) -> dict[str, Any]:
     return tally.as_dict()
 
 
+# The hf runner's stages the stage timer times (each call's wall time between two device syncs).
+STAGES = ("read_steps", "encode_many", "_image_features", "_encode_embeds", "_encode_over_prefixes",
+          "_over_image_prefixes", "decoder_hidden", "_slot_reads")
+
+
+class StageTimer:
+    """Times the hf runner's stages while it is installed: each wrapped method synchronises the device
+    before and after, so a stage's milliseconds are its device time (and the wrapped run is slower by
+    the syncs: the stage shares are what it is for, not the rate). `read_steps` (a generator) is timed
+    over its whole life: a turn's, or a heavy read's, time."""
+
+    def __init__(self, runner: Any) -> None:
+        import torch
+
+        self.runner = runner
+        self.sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+        self.ms: dict[str, float] = {name: 0.0 for name in STAGES}
+        self.calls: dict[str, int] = {name: 0 for name in STAGES}
+        self.rows: dict[str, int] = {name: 0 for name in STAGES}
+
+    def __enter__(self) -> "StageTimer":
+        for name in STAGES:
+            setattr(self.runner, name, self._timed(name, getattr(self.runner, name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in STAGES:
+            self.runner.__dict__.pop(name, None)
+
+    def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.sync()
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.sync()
+                self.ms[name] += (time.perf_counter() - started) * 1000
+                self.calls[name] += 1
+                self.rows[name] += len(args[0]) if args and hasattr(args[0], "__len__") else 0
+
+        def timed_steps(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return (yield from method(*args, **kwargs))
+            finally:
+                self.sync()
+                self.ms[name] += (time.perf_counter() - started) * 1000
+                self.calls[name] += 1
+                self.rows[name] += len(args[0]) if args else 0
+
+        return timed_steps if name == "read_steps" else timed
+
+    def summary(self, seconds: float) -> dict[str, Any]:
+        return {name: {"calls": self.calls[name], "ms": round(self.ms[name], 1),
+                       "ms_a_call": round(self.ms[name] / self.calls[name], 2) if self.calls[name] else None,
+                       "rows_a_call": round(self.rows[name] / self.calls[name], 1) if self.calls[name] else None,
+                       "share": round(self.ms[name] / 1000 / seconds, 3)} for name in STAGES}
+
+
 def bench_routes() -> list[Any]:
-    """`POST /bench/inprocess` {workload, clients, seconds, tag}: the in-process twin's tally, as JSON."""
+    """`POST /bench/inprocess` {workload, clients, seconds, tag}: the in-process twin's tally, as JSON.
+    `POST /bench/stages` (the same body): the twin run with the hf runner's stages timed (`StageTimer`),
+    its tally and the stages' times."""
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
@@ -643,4 +705,14 @@ def bench_routes() -> list[Any]:
         spec = await request.json()
         return JSONResponse(await run_inprocess(request.app.state.services, spec))
 
-    return [Route("/bench/inprocess", inprocess, methods=["POST"])]
+    async def stages(request: Request) -> JSONResponse:
+        spec = await request.json()
+        services = request.app.state.services
+        runner = getattr(services.reader, "runner", None)
+        if runner is None:
+            return JSONResponse({"error": "the reader has no hf runner"}, status_code=400)
+        with StageTimer(runner) as timer:
+            tally = await run_inprocess(services, spec)
+        return JSONResponse({"tally": tally, "stages": timer.summary(float(spec["seconds"]))})
+
+    return [Route("/bench/inprocess", inprocess, methods=["POST"]), Route("/bench/stages", stages, methods=["POST"])]
