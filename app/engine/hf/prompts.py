@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Generator, Generic, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Generator, Generic, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -282,13 +282,23 @@ class PrefixIndex:
     def longest(self, hashes: Sequence[int], found: Callable[[int], Found | None]) -> tuple[int, Found] | None:
         """(tokens, what `found` returned) for the longest prefix of at least `minimum` tokens for
         which found(hash) returns something; None for none."""
+        return next(self.hits(hashes, found), None)
+
+    def hits(self, hashes: Sequence[int], found: Callable[[int], Found | None]) -> Iterator[tuple[int, Found]]:
+        """(tokens, what `found` returned) for every prefix of at least `minimum` tokens for which
+        found(hash) returns something, longest first."""
         for blocks in range(len(hashes), 0, -1):
             if blocks * self.block < self.minimum:
                 break
             hit = found(hashes[blocks - 1])
             if hit is not None:
-                return blocks * self.block, hit
-        return None
+                yield blocks * self.block, hit
+
+    def lengths(self, longest: int) -> range:
+        """The prefix lengths a prompt that shares `longest` tokens may use, longest first: the
+        multiples of `block` from `longest` down to `minimum`."""
+        first = -(-self.minimum // self.block) * self.block
+        return range(longest // self.block * self.block, first - 1, -self.block)
 
     def seen(self, hashes: Sequence[int], key: CacheKey) -> tuple[int, CacheKey] | None:
         """(tokens, cache key) of the longest prefix whose hash another prompt recorded last (one
@@ -644,20 +654,25 @@ class PromptEncodingMixin:
 
     def _by_prefix(self, items: list[Pending], embeds: Mapping[CacheKey, torch.Tensor] | None = None,
                    ) -> tuple[list[Pending], list[_PrefixGroup]]:
-        """The prompts to encode split into those encoded whole and groups over a shared prefix:
-        the longest in the prefix LRU, or the longest another prompt began with (PREFIX_MIN tokens or
-        more) where there is none or it is longer by PREFIX_MIN tokens or more (so the prompts of a
-        sheet share one prefix, not one for each pair of states that begin alike); of those, the
-        first that a pass over it fits. Text prompts' prefixes come from all their ids; image
-        prompts' (`embeds`: their input embeddings, by cache key) from the text ahead of their
-        first image, so the frames of one question sheet share the sheet's KV and only the frame
-        and what follows it is encoded. Only with encoder graphs (the static path runs passes over a
-        prefix). Every prompt's prefixes are recorded for later ones."""
+        """The prompts to encode split into those encoded whole and groups over a shared prefix.
+        A prompt may use any prefix (PREFIX_MIN tokens or more, at 16-token blocks) that is in the
+        prefix LRU, or that another prompt began with where none is cached or it is longer than the
+        longest cached by PREFIX_MIN tokens or more (so a sheet's prompts do not make a prefix for
+        each pair of states that begin alike), and that a pass over it fits. Of those it takes the
+        one the most prompts of the call may take, the longest of them on a tie: each group is an
+        encoder pass of its own, so tickets whose states begin with the same word share the sheet's
+        pass rather than a pass over the sheet and that word. Text prompts' prefixes come from all
+        their ids; image prompts' (`embeds`: their input embeddings, by cache key) from the text
+        ahead of their first image, so the frames of one question sheet share the sheet's KV and
+        only the frame and what follows it is encoded. Only with encoder graphs (the static path
+        runs passes over a prefix). Every prompt's prefixes are recorded for later ones."""
         graphs = self.encoder_graphs
         if graphs is None or self.prefixes.entries <= 0:
             return items, []
-        whole: list[Pending] = []
-        groups: dict[int, _PrefixGroup] = {}
+        index = self.prefix_index
+        # (the prompt, its ids a prefix comes from, and its options: tokens, the chained hash, the
+        # prompt a new prefix is sliced from, a cached prefix's KV)
+        plans: list[tuple[Pending, tuple[int, ...], list[tuple[int, int, CacheKey | None, EncodedPrompt | None]]]] = []
         for item in items:
             key = item[0]
             ids = key[0]
@@ -665,24 +680,24 @@ class PromptEncodingMixin:
             if embeds is not None:  # the text before the first image (a prefix ends before it), and the whole
                 lead = ids.index(self.config.image_token_id) if self.config.image_token_id in ids else len(ids)
                 ids, size = ids[:lead + 1], int(embeds[key].shape[0])
-            hashes = self.prefix_index.hashes(ids)
-            cached = self.prefix_index.longest(hashes, lambda value: self._cached_prefix(value, ids))
-            seen = self.prefix_index.seen(hashes, key)
-            self.prefix_index.record(hashes, key)
-            if seen is not None and cached is not None and seen[0] - cached[0] < self.prefix_index.minimum:
-                seen = None  # a new, longer prefix only where it saves as much again: one group a sheet
-            # (tokens, the prompt a new prefix is sliced from, a cached prefix's KV): seen, then cached
-            candidates: list[tuple[int, CacheKey | None, EncodedPrompt | None]] = []
-            if seen is not None:
-                candidates.append((seen[0], seen[1], None))
-            if cached is not None:
-                candidates.append((cached[0], None, cached[1]))
+            hashes = index.hashes(ids)
+            cached = list(index.hits(hashes, lambda value, ids=ids: self._cached_prefix(value, ids)))
+            seen = index.seen(hashes, key)
+            index.record(hashes, key)
+            options: list[tuple[int, int, CacheKey | None, EncodedPrompt | None]] = []
+            if seen is not None and (not cached or seen[0] - cached[0][0] >= index.minimum):
+                options += [(length, hashes[length // index.block - 1], seen[1], None) for length in index.lengths(seen[0])
+                            if not cached or length - cached[0][0] >= index.minimum]
+            options += [(length, hashes[length // index.block - 1], None, encoded) for length, encoded in cached]
+            plans.append((item, ids, [option for option in options if graphs.fits(1, size - option[0], option[0])]))
+        takers = Counter(option[1] for _, _, options in plans for option in options)
+        whole: list[Pending] = []
+        groups: dict[int, _PrefixGroup] = {}
+        for item, ids, options in plans:
             group = None
-            for length, source, encoded in candidates:
-                if graphs.fits(1, size - length, length):
-                    group = self._join(groups, hashes[length // self.prefix_index.block - 1], ids[:length],
-                                       source, encoded)
-                    break
+            if options:
+                length, value, source, encoded = max(options, key=lambda option: (takers[option[1]], option[0]))
+                group = self._join(groups, value, ids[:length], source, encoded)
             if group is None:
                 whole.append(item)
             else:

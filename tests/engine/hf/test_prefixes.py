@@ -261,3 +261,22 @@ def test_prompts_whose_prefix_hashes_collide_are_never_given_each_others_kv(tiny
     together = runner.encode_many(pair)
     for prompt, encoded in zip([b, c, *pair], results + together):
         assert_same_kv(eager_runner.encode_many([prompt])[0], encoded)
+
+
+@torch.no_grad()
+def test_a_calls_prompts_share_the_prefix_most_of_them_can_take(tiny_dir, eager_runner, tokenizer):
+    """Two of a call's prompts repeat a long opening of their state, the rest share only the sheet:
+    all go over the sheet's prefix in one pass, not the two over a longer prefix in a pass of their
+    own (each group is an encoder pass)."""
+    runner = prefixed_runner(tiny_dir)
+    runner.encode_many([sheet_prompt(tokenizer, "seed")])
+    opening = "the same long opening of a state "
+    prompts = [sheet_prompt(tokenizer, opening + "x"), sheet_prompt(tokenizer, opening + "y"),
+               sheet_prompt(tokenizer, "refund"), sheet_prompt(tokenizer, "login")]
+    assert shared_length(*prompts[:2]) - shared_length(*prompts[2:4]) >= 8 + 4  # a longer prefix was on offer
+    passes = runner.stats["encoder_passes"]
+    encoded = runner.encode_many(prompts)
+    assert runner.stats["encoder_passes"] == passes + 1 and runner.stats["prefix_hits"] == 4
+    assert len(runner.prefixes) == 1
+    for prompt, kv in zip(prompts, encoded):
+        assert_same_kv(eager_runner.encode_many([prompt])[0], kv)
