@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 # Encoder buckets. Fine steps where batches are large (a padded token costs a token's full compute:
-# at 32 rows of 300-token prompts a 512 bucket made the encoder 1.7x slower than 320 would), coarse
-# where prompts are long and batches small.
+# at 32 rows of 300-token prompts a 512 bucket made the encoder 1.7x slower than 320 would; 160 holds
+# the ticket's ~120-137 tokens after its sheet, which went to 192), coarse where prompts are long and
+# batches small.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
-LENGTH_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096)
+LENGTH_BUCKETS = (64, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096)
 # A shared prefix's slots ahead of the suffixes (a question sheet's system turn is 100-500 tokens;
 # a longer one is encoded with each prompt, whole).
 PREFIX_BUCKETS = (256, 512, 768)
