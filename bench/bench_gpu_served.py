@@ -174,7 +174,7 @@ class Server:
             pass
 
 
-def spawn_server(args: argparse.Namespace, out_dir: Path) -> Server:
+def spawn_server(args: argparse.Namespace, out_dir: Path, log_name: str = "bench_gpu_served.server.log") -> Server:
     from app.server import free_port
 
     port = free_port()
@@ -184,7 +184,7 @@ def spawn_server(args: argparse.Namespace, out_dir: Path) -> Server:
         value = getattr(args, name)
         if value is not None:
             argv.append(("--" if value else "--no-") + name.replace("_", "-"))
-    log_path = out_dir / "bench_gpu_served.server.log"
+    log_path = out_dir / log_name
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, cwd=Path(__file__).resolve().parent.parent, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
@@ -518,6 +518,10 @@ def report(results: dict[str, Any]) -> str:
         + ", ".join(f"{key} {value}" for key, value in settings.items()),
         "",
     ]
+    restart = results.get("restart")
+    if restart:
+        lines += [f"restart over the first start's compile caches: the first /health answer {restart.get('first_answer_s')} "
+                  f"s (HTTP {restart.get('first_status')}), ready (200) {restart.get('ready_s')} s", ""]
     closed = [p for p in results["rows"] if p["kind"] in ("rest", "camera_closed")]
     if closed:
         rows = []
@@ -621,6 +625,8 @@ def levels(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
+# How long past --deadline a --restart may wait for the second start to be ready.
+RESTART_S = 170.0
 # The workloads whose engine stages are timed after the rows (in process: `POST /bench/stages`).
 STAGE_RUNS = (("walk", 16), ("ticket", 32))
 
@@ -679,6 +685,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--closed-cameras", default=None, help="row (d) cameras (default 8,32; --quick 8)")
     parser.add_argument("--open-cameras", default=None, help="row (e) cameras (default 8,16,32,64; --quick 8,32)")
     parser.add_argument("--no-steady", dest="steady", action="store_false", help="skip row (f)")
+    parser.add_argument("--restart", action="store_true",
+                        help="after the rows, stop the server and time a second start over the compile caches the "
+                             "first left in CACHE_DIR (a restart)")
     parser.add_argument("--no-stages", dest="stages", action="store_false",
                         help="skip timing the engine's stages in the walk and ticket loops after the rows")
     parser.add_argument("--heavy-tokens", type=int, default=None, help="row (f): the long state, tokens (default "
@@ -769,7 +778,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGALRM, stop)
-    signal.alarm(int(args.deadline + 30))  # the net behind the per-row checks: nothing blocks past it
+    # the net behind the per-row checks: nothing blocks past it (a restart may wait RESTART_S more)
+    signal.alarm(int(args.deadline + 30 + (RESTART_S if args.restart else 0)))
     server: Server | None = None
     pool: ClientPool | None = None
     try:
@@ -781,6 +791,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         measure(args, server, pool, results, deadline, api_key)
         if args.stages:
             time_stages(args, server, results, deadline, api_key)
+        if args.restart:
+            server.stop()
+            server = None
+            print("restarting the server over the compile caches the first start left in CACHE_DIR ...", flush=True)
+            server = spawn_server(args, out_dir, "bench_gpu_served.restart.log")
+            results["restart"] = wait_ready(server, min(args.startup_timeout, deadline + RESTART_S - now()))
+            print(f"  ready again in {results['restart']['ready_s']} s", flush=True)
     except (Deadline, RuntimeError, OSError) as exc:
         results["stopped"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         results["notes"].append(f"stopped: {str(exc)[:2000]}")

@@ -45,10 +45,12 @@ def test_bench_gpu_served_tiny_runs(tmp_path):
 
     result = run_bench("bench_gpu_served.py", "--seconds", "1", "--workers", "4", "--sheet-clients", "2",
                        "--ticket-clients", "2", "--walk-clients", "2", "--closed-cameras", "1", "--open-cameras", "1,2",
-                       "--heavy-tokens", "1000", "--deadline", "150", out=tmp_path)
+                       "--heavy-tokens", "1000", "--deadline", "150", "--restart", out=tmp_path)
     data = json.loads((tmp_path / "bench_gpu_served.json").read_text())
     assert [row["row"] for row in data["rows"]] == ["a", "b", "c", "d", "e", "e", "f"], data["notes"]
-    assert data["startup"]["ready_s"] > 0
+    assert data["startup"]["ready_s"] > 0 and data["restart"]["ready_s"] > 0
+    assert {run["workload"] for run in data["stages"]} == {"walk", "ticket"}
+    assert all(row["engine"] for row in data["rows"] if row["row"] in "abc")  # the engine's work, by row
     assert any(row.get("served", {}).get("requests", 0) > 0 for row in data["rows"])
     assert all("twin" in row for row in data["rows"] if row["row"] != "f")
     assert (tmp_path / "bench_gpu_served.md").read_text().count("|") > 20
