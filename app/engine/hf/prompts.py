@@ -352,6 +352,7 @@ class PromptEncodingMixin:
     policy: ShapePolicy
     vision_graphs: VisionGraphs | None
     stats: Counter[str]
+    step_note: str  # DiffusionRunner's: what the last step did, for the slow-turn warning
     pad_id: int  # DiffusionRunner's
 
     def preprocess(self, prompt: Prompt) -> ProcessedImages:
@@ -931,9 +932,11 @@ class PromptEncodingMixin:
         for index, layer in enumerate(cache.layers):
             if not getattr(layer, "is_sliding", True):
                 cache.layers[index] = prompt_layer(length)
-        for start, end in chunk_bounds(length, self.prefill_chunk):
+        bounds = chunk_bounds(length, self.prefill_chunk)
+        for number, (start, end) in enumerate(bounds, 1):
             if start:
                 yield  # between two chunks: other work may run
+            self.step_note = f"chunk {number} of {len(bounds)} ({end - start} tokens at {start}) of a {length}-token prompt"
             with torch.no_grad():
                 positions = torch.arange(start, end, device=self.device).unsqueeze(0)
                 encoder.language_model(inputs_embeds=embeds_of(start, end), position_ids=positions,

@@ -578,6 +578,7 @@ class HFReader:
         None) once every job of `jobs` has been failed as the failure says (the engine stopping, the
         input, the model: `_engine_failure`). Counts what the turn built and its busy time."""
         started = time.perf_counter()
+        self.runner.step_note = ""  # (turns never overlap: the engine thread is idle here)
         try:
             value = await loop.run_in_executor(self._executor, call, *args)
         except asyncio.CancelledError:
@@ -597,7 +598,8 @@ class HFReader:
         self._settle_if_built(seconds)
         if seconds > SLOW_TURN_S:  # the scheduling contract bounds a turn: say which work broke it
             self.runner.stats["slow_turns"] += 1
-            log.warning("an engine turn took %.0f ms: %s for %d request(s)", seconds * 1000, work, len(jobs))
+            log.warning("an engine turn took %.0f ms: %s for %d request(s); its last step: %s", seconds * 1000, work,
+                        len(jobs), self.runner.step_note or "-")
         return True, value
 
     @staticmethod

@@ -131,6 +131,9 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self.image_sources = PromptCache(min(kv_entries, 64))
         self.generation = {**GENERATION_DEFAULTS, **(generation or {})}
         self.stats: Counter[str] = Counter()
+        # What the last step of `read_steps` did (a chunk, the encoding, a decoder pass), for the
+        # reader's slow-turn warning: set on the engine thread, read there after the turn.
+        self.step_note = ""
         self.policy = ShapePolicy(max_rows=self.max_rows, canvas=canvas, canvas_step=canvas_step,
                                   max_prompt_tokens=max_prompt_tokens, max_images=max_images,
                                   sliding_window=int(getattr(self.text_config, "sliding_window", None) or max_prompt_tokens))
@@ -315,6 +318,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
             yield  # the last chunk was a step: the next one is the next prompt's, or the rest
         pending = [index for index, result in enumerate(results) if result is None]
         encoded: dict[int, EncodedPrompt] = {}
+        self.step_note = f"encoding {len(pending)} prompt(s)"
         outcomes = self.encode_many([specs[index].prompt for index in pending], preprocessed)
         for index, outcome in zip(pending, outcomes):
             if isinstance(outcome, Exception):
@@ -377,6 +381,9 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self_conditioning = None
         generators = [self._generator(specs[index].seed * 1000003 + canvas_no) for index, canvas_no in rows]
         for remaining in range(steps, 0, -1):
+            self.step_note = (f"decoder pass {steps - remaining + 1} of {steps}: {len(rows)} canvas(es) of up to "
+                              f"{max(len(canvas) for canvas in canvases)} tokens over prompts of up to "
+                              f"{max(prompt.length for prompt in prompts)}")
             with torch.no_grad():
                 hidden = self.decoder_hidden(list(zip(prompts, canvases)), self_conditioning)
                 if remaining == 1:

@@ -99,6 +99,32 @@ def test_the_chunks_of_a_long_read_take_turns_with_short_reads(tiny_dir, tokeniz
     assert len(result.slots) == 3
 
 
+def test_a_slow_turn_names_the_step_it_ran(tiny_dir, tokenizer, monkeypatch, caplog):
+    """The slow-turn warning says what the turn's last step was: which chunk of how long a prompt,
+    or which decoder pass over how many canvases, so a long turn in a served log points at its step."""
+    import app.engine.hf.reader as reader_module
+
+    monkeypatch.setattr(reader_module, "SLOW_TURN_S", 0.0)  # every turn is "slow": each says its step
+    reader = make_tiny_reader(tiny_dir, prefill_chunk=48)
+    long = long_spec(tokenizer)
+
+    async def scenario():
+        await reader.start()
+        await reader.read([long])
+        await reader.read([spec_for(tokenizer, "short", "q1: yes", [5])])
+        await reader.stop()
+
+    with caplog.at_level("WARNING", logger="djev.engine"):
+        asyncio.run(scenario())
+    notes = [r.getMessage() for r in caplog.records if "an engine turn took" in r.getMessage()]
+    chunks = -(-len(long.prompt.ids) // 48)
+    assert any(f"step 2 of a heavy read for 1 request(s); its last step: chunk 2 of {chunks} (48 tokens at 48)"
+               in note for note in notes), notes
+    assert any("its last step: decoder pass 1 of 1: 3 canvas(es)" in note for note in notes)
+    assert notes[-1].endswith("its last step: decoder pass 1 of 1: 1 canvas(es) of up to 16 tokens over prompts of up "
+                              f"to {len(spec_for(tokenizer, 'short', 'q1: yes', [5]).prompt.ids)}")
+
+
 def test_the_prompt_lru_is_bounded_in_bytes_and_evicts_the_oldest_first():
     from app.engine.hf.prompts import PromptCache
 
