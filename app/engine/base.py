@@ -7,10 +7,11 @@ cancellation is the only deadline, bounded reordering, a generation yields after
 pass, only `EngineInputError`, `EngineError` and `EngineUnavailable` leave a reader, and no request
 holds the engine: an engine turn is bounded (a long prompt is encoded in chunks of PREFILL_CHUNK
 tokens, a read of many canvases or steps runs one pass a turn), and work that needs more turns goes
-back to the end of the queue after each, so a steady client waits at most one step of each heavy
-request ahead of it. A turn ends when its work is done, not when it is queued: an engine that runs
-a device asynchronously waits for a step's device work before the turn ends, or the steps' work
-piles up behind the host and the next short read waits it out.
+back to the end of the queue after each, with the light reads waiting served before its next step,
+so a steady client waits at most one step of one heavy request. A turn ends when its work is done,
+not when it is queued: an engine that runs a device asynchronously waits for a step's device work
+before the turn ends, or the steps' work piles up behind the host and the next short read waits it
+out.
 """
 
 from __future__ import annotations

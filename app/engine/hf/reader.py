@@ -235,6 +235,7 @@ class HFReader:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._busy = False  # the last read batch served several callers, or more were waiting
         self._last_rows = 0  # canvases in the last read batch: the callers likely to come back under load
+        self._stepped = False  # the last turn was a heavy read's step or a generation's pass
         self._compiled = compile_counts(runner)  # as of `start` (ready), then of the last pass
         self._image_executor: ThreadPoolExecutor | None = None
         self._images_held = 0  # preprocessed images reserved or riding with queued jobs
@@ -418,16 +419,19 @@ class HFReader:
             while not self._queue:
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            job = self._queue.popleft()
+            job = self._next_job()
             if job.dropped:
                 self._release(job)
                 continue
             if isinstance(job, _GenerateJob):
+                self._stepped = True
                 await self._generation_turn(loop, job)
                 continue
             if job.heavy:
+                self._stepped = True
                 await self._heavy_turn(loop, job)
                 continue
+            self._stepped = False
             if self.options.gather_ms > 0 and self._busy and job.rows < self.options.max_batch_rows:
                 # Under load, closed-loop clients otherwise split into two half-batches that take
                 # turns; a short wait lets the reads being planned right now join this batch. A lone
@@ -438,6 +442,18 @@ class HFReader:
                     self._queue.appendleft(job)
                     raise
             await self._read_batch(loop, self._take_batch(job))
+
+    def _next_job(self) -> _Job:
+        """The queue's head; but after a heavy read's step or a generation's pass, the first light
+        read waiting, if any: steps and passes take turns with the light reads, so a steady client
+        waits at most one step of one heavy request (not one of each queued ahead of it), and every
+        heavy request still makes a step between any two light batches' worth of its turn."""
+        if self._stepped:
+            for index, job in enumerate(self._queue):
+                if isinstance(job, _ReadJob) and not job.heavy and not job.dropped:
+                    del self._queue[index]
+                    return job
+        return self._queue.popleft()
 
     def _take_batch(self, first: _ReadJob) -> list[_ReadJob]:
         """`first` and the queued light reads that join its batch, up to MAX_BATCH_ROWS canvases, in

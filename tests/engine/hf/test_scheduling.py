@@ -325,11 +325,12 @@ def test_a_read_waiting_in_the_gather_window_when_the_engine_stops_is_told_so():
     after_a_busy_batch(5000, stopped_while_gathering)
 
 
-def test_a_steady_client_waits_at_most_one_step_of_each_heavy_request_beside_it():
+def test_a_steady_client_waits_at_most_one_step_of_one_heavy_request_beside_them():
     """The heavy burst of the served bench, on the fake engine: a long prompt (26 chunks), a read of
     many canvases (4 passes), a multi-step read (8 steps) and a long thought (60 passes) take turns
-    with a steady client's one-canvas reads, which each wait at most one turn of each of them
-    (counted in engine turns, not wall time), while all of them finish."""
+    with a steady client's one-canvas reads, which each wait at most one step or pass of one of them
+    (counted in engine turns, not wall time: a light read waiting goes before the next step), while
+    all of them finish."""
     runner = FakeRunner(delay=0.004, passes=60)
     reader = make_reader(runner, max_rows=8)
     waits: list[int] = []
@@ -354,7 +355,7 @@ def test_a_steady_client_waits_at_most_one_step_of_each_heavy_request_beside_it(
 
     results = run(scenario())
     assert len(results[0]) == 1 and len(results[1][0].slots) == 32 and len(results[2][0].slots) == 2
-    assert max(waits) <= 4, waits  # one step of each of the four heavy requests at most
+    assert max(waits) <= 1, waits  # the step running when it came, and no other
     steps = [tag for kind, tag in runner.log if kind == "step"]
     assert steps.count(1) == 26 + 1 and steps.count(2) == 4 and steps.count(3) == 8  # 26 chunks, then its pass
     assert runner.stats["heavy_turns"] == 27 + 4 + 8
