@@ -659,10 +659,11 @@ class PromptEncodingMixin:
         A prompt may use any prefix (PREFIX_MIN tokens or more, at 16-token blocks) that is in the
         prefix LRU, or that another prompt began with where none is cached or it is longer than the
         longest cached by PREFIX_MIN tokens or more (so a sheet's prompts do not make a prefix for
-        each pair of states that begin alike), and that a pass over it fits. Of those it takes the
-        one the most prompts of the call may take, the longest of them on a tie: each group is an
-        encoder pass of its own, so tickets whose states begin with the same word share the sheet's
-        pass rather than a pass over the sheet and that word. Text prompts' prefixes come from all
+        each pair of states that begin alike), and that a pass over it fits. Of those within
+        PREFIX_MIN tokens of its longest it takes the one the most prompts of the call may take,
+        the longest of them on a tie: each group is an encoder pass of its own, so tickets whose
+        states begin with the same word share the sheet's pass rather than a pass over the sheet and
+        that word, while two sheets that begin alike keep a prefix each. Text prompts' prefixes come from all
         their ids; image prompts' (`embeds`: their input embeddings, by cache key) from the text
         ahead of their first image, so the frames of one question sheet share the sheet's KV and
         only the frame and what follows it is encoded. Only with encoder graphs (the static path
@@ -696,8 +697,10 @@ class PromptEncodingMixin:
         groups: dict[int, _PrefixGroup] = {}
         for item, ids, options in plans:
             group = None
-            if options:
-                length, value, source, encoded = max(options, key=lambda option: (takers[option[1]], option[0]))
+            if options:  # within PREFIX_MIN of its longest: a sheet's prompts never trade it for a shared header
+                longest = max(option[0] for option in options)
+                near = [option for option in options if longest - option[0] < index.minimum]
+                length, value, source, encoded = max(near, key=lambda option: (takers[option[1]], option[0]))
                 group = self._join(groups, value, ids[:length], source, encoded)
             if group is None:
                 whole.append(item)

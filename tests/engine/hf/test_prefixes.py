@@ -265,18 +265,39 @@ def test_prompts_whose_prefix_hashes_collide_are_never_given_each_others_kv(tiny
 
 @torch.no_grad()
 def test_a_calls_prompts_share_the_prefix_most_of_them_can_take(tiny_dir, eager_runner, tokenizer):
-    """Two of a call's prompts repeat a long opening of their state, the rest share only the sheet:
-    all go over the sheet's prefix in one pass, not the two over a longer prefix in a pass of their
-    own (each group is an encoder pass)."""
+    """Two of a call's prompts begin their states alike (a block or so past the sheet), the rest share
+    only the sheet: all go over the sheet's prefix in one pass, not the two over a prefix a block
+    longer in a pass of their own (each group is an encoder pass)."""
     runner = prefixed_runner(tiny_dir)
     runner.encode_many([sheet_prompt(tokenizer, "seed")])
-    opening = "the same long opening of a state "
-    prompts = [sheet_prompt(tokenizer, opening + "x"), sheet_prompt(tokenizer, opening + "y"),
+    prompts = [sheet_prompt(tokenizer, "ab cd one"), sheet_prompt(tokenizer, "ab cd two"),
                sheet_prompt(tokenizer, "refund"), sheet_prompt(tokenizer, "login")]
-    assert shared_length(*prompts[:2]) - shared_length(*prompts[2:4]) >= 8 + 4  # a longer prefix was on offer
+    extra = shared_length(*prompts[:2]) - shared_length(*prompts[2:4])
+    assert 4 <= extra < 8  # a longer prefix, by a block at least and less than PREFIX_MIN, was on offer
     passes = runner.stats["encoder_passes"]
     encoded = runner.encode_many(prompts)
     assert runner.stats["encoder_passes"] == passes + 1 and runner.stats["prefix_hits"] == 4
     assert len(runner.prefixes) == 1
     for prompt, kv in zip(prompts, encoded):
         assert_same_kv(eager_runner.encode_many([prompt])[0], kv)
+
+
+@torch.no_grad()
+def test_two_sheets_that_begin_alike_keep_a_prefix_each(tiny_dir, eager_runner, tokenizer):
+    """The prompts of two sheets sharing a long opening: each sheet's prompts go over their own sheet,
+    not all of them over the opening the two share (a shorter prefix by PREFIX_MIN or more)."""
+    runner = prefixed_runner(tiny_dir)
+    first, second = SHEET + " Question q2: refund now?", SHEET + " Question q2: which team?"
+    runner.encode_many([sheet_prompt(tokenizer, "seed", first), sheet_prompt(tokenizer, "seed", second)])
+    a = [sheet_prompt(tokenizer, state, first) for state in ("one", "two")]
+    b = [sheet_prompt(tokenizer, state, second) for state in ("three", "four")]
+    assert shared_length(a[0], a[1]) - shared_length(a[0], b[0]) >= 8  # each sheet's own prefix is longer
+    opening = shared_length(a[0], b[0])
+    before = {ids for ids, _ in runner.prefixes.values()}
+    hits = runner.stats["prefix_hits"]
+    runner.encode_many([*a, *b])
+    made = [ids for ids, _ in runner.prefixes.values() if ids not in before]
+    assert len(made) == 2 and all(len(ids) > opening for ids in made), [len(ids) for ids in made]
+    assert runner.stats["prefix_hits"] == hits + 4
+    for prompt in (*a, *b):
+        assert_same_kv(eager_runner.encode_many([prompt])[0], runner.encode_many([prompt])[0])
