@@ -446,8 +446,8 @@ class HFReader:
     def _next_job(self) -> _Job:
         """The queue's head; but after a heavy read's step or a generation's pass, the first light
         read waiting, if any: steps and passes take turns with the light reads, so a steady client
-        waits at most one step of one heavy request (not one of each queued ahead of it), and every
-        heavy request still makes a step between any two light batches' worth of its turn."""
+        waits at most one step of one heavy request (not one of each queued ahead of it), and the
+        heavy requests still take a step after every light batch."""
         if self._stepped:
             for index, job in enumerate(self._queue):
                 if isinstance(job, _ReadJob) and not job.heavy and not job.dropped:

@@ -132,7 +132,8 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self.generation = {**GENERATION_DEFAULTS, **(generation or {})}
         self.stats: Counter[str] = Counter()
         # What the last step of `read_steps` did (a chunk, the encoding, a decoder pass), for the
-        # reader's slow-turn warning: set on the engine thread, read there after the turn.
+        # reader's slow-turn warning: set on the engine thread; the reader resets it before a turn
+        # and reads it after (never while one runs).
         self.step_note = ""
         self.policy = ShapePolicy(max_rows=self.max_rows, canvas=canvas, canvas_step=canvas_step,
                                   max_prompt_tokens=max_prompt_tokens, max_images=max_images,
