@@ -112,8 +112,10 @@ def test_warm_up_reads_then_leaves_no_prompt_or_counter_behind(tiny_dir):
     runner.read = lambda batch, *rest: (specs.extend(batch), read(batch, *rest))[1]
     seconds = compiled.warm_up(runner, canvas_length=16)
     assert seconds > 0
-    # rows 1 and 2, a long prompt in chunks (three: the first, a full one, a short last), then an image
-    assert [len(spec.prompt.images) for spec in specs] == [0, 0, 0, 0, 1]
+    # rows 1 and 2, a long prompt in chunks (three: the first, a full one, a short last), an image,
+    # then a two-step read of several canvases (its second step the eager self-conditioned pass)
+    assert [len(spec.prompt.images) for spec in specs] == [0, 0, 0, 0, 1, 0]
+    assert specs[5].steps == 2 and len(specs[5].canvases) == compiled.WARM_UP_CANVASES > 1
     long = specs[3].prompt
     assert len(long.ids) == 2 * runner.prefill_chunk + 64 and runner.prefill_chunk < len(long.ids)
     assert len(runner.prompts) == 0 and len(runner.vision) == 0
