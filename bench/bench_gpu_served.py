@@ -218,8 +218,9 @@ def wait_ready(server: Server, timeout: float) -> dict[str, Any]:
         time.sleep(0.2)
 
 
-def scrape(server: Server, words: Sequence[str] = COUNTER_WORDS) -> dict[str, float]:
-    """The engine counters of /metrics whose names hold one of `words`, by series."""
+def scrape(server: Server, words: Sequence[str] = (*COUNTER_WORDS, *WORK_STATS)) -> dict[str, float]:
+    """The engine counters of /metrics whose names hold one of `words`, by series (`picked` keeps
+    a subset's)."""
     import httpx
 
     try:
@@ -239,6 +240,10 @@ def scrape(server: Server, words: Sequence[str] = COUNTER_WORDS) -> dict[str, fl
         except ValueError:
             pass
     return series
+
+
+def picked(series: dict[str, float], words: Sequence[str]) -> dict[str, float]:
+    return {key: value for key, value in series.items() if any(word in key.split("{", 1)[0] for word in words)}
 
 
 def deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -423,10 +428,11 @@ def twin(server: Server, api_key: str, row: Row, clients: int, seconds: float, n
 def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, pool: ClientPool,
             api_key: str) -> dict[str, Any]:
     out: dict[str, Any] = {"row": row.key, "name": row.name, "kind": row.kind, "clients": row.clients}
-    before, work = scrape(server), scrape(server, WORK_STATS)
+    before = scrape(server)
     tallies = pool.run(worker_specs(row, number, args, server.url, api_key), args.seconds + 60.0)
-    out["counters"] = deltas(before, scrape(server))
-    out["engine"] = deltas(work, scrape(server, WORK_STATS))
+    after = scrape(server)
+    out["counters"] = deltas(picked(before, COUNTER_WORDS), picked(after, COUNTER_WORDS))
+    out["engine"] = deltas(picked(before, WORK_STATS), picked(after, WORK_STATS))
     names = sorted({name for tally in tallies for name in tally})
     merged = {name: merge([tally[name] for tally in tallies if name in tally]) for name in names}
     if row.kind == "camera_open":
@@ -450,9 +456,9 @@ def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, poo
         # spare (encoding the served rows' generous budget in the server would take seconds).
         served_per_client = out["served"].get("requests", 0) / max(1, row.clients)
         frames_per_client = math.ceil(2 * served_per_client * args.twin_seconds / args.seconds) + 8
-        before = scrape(server)
+        before = scrape(server, COUNTER_WORDS)
         tally = twin(server, api_key, row, clients, args.twin_seconds, number, frames_per_client)
-        out["twin_counters"] = deltas(before, scrape(server))
+        out["twin_counters"] = deltas(before, scrape(server, COUNTER_WORDS))
         out["twin"] = camera_summary(tally, args.twin_seconds, clients) if row.kind == "camera_open" \
             else closed_summary(tally)
     return out

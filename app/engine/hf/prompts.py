@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from app.engine.base import CacheKey, EngineInputError, Prompt, decode_images
 from app.engine.hf import pixels
-from app.engine.hf.graphs.encoder import Layers, copy_rows
+from app.engine.hf.graphs.encoder import Layers, Prefix, copy_rows
 from app.engine.hf.layers import CHUNK_MASKS
 from app.engine.hf.pixels import Resized
 
@@ -513,13 +513,8 @@ class PromptEncodingMixin:
         text = [(key, indices) for key, indices in pending.items() if not prompts[indices[0]].images]
         images = [(key, indices) for key, indices in pending.items() if prompts[indices[0]].images]
         text, groups = self._by_prefix(text)
-        for batch in self._prompt_batches(text, [len(key[0]) for key, _ in text]):
-            rows = [list(key[0]) for key, _ in batch]
-            self._store(batch, self._encode_ids(rows), [len(ids) for ids in rows], results)
-        refused = self._encode_over_prefixes(groups, results)
-        for batch in self._prompt_batches(refused, [len(key[0]) for key, _ in refused]):
-            whole = [list(key[0]) for key, _ in batch]
-            self._store(batch, self._encode_ids(whole), [len(ids) for ids in whole], results)
+        self._encode_whole(text, results)  # first: a new prefix is sliced from a prompt encoded whole
+        self._encode_whole(self._encode_over_prefixes(groups, results), results)
         images = self._over_image_prefixes(images, results)
         embedded: list[Pending] = []
         expanded: list[dict[str, torch.Tensor]] = []
@@ -533,12 +528,8 @@ class PromptEncodingMixin:
         self._image_features(expanded, [key[1] for key, _ in embedded])
         embeds = {key: self.input_embeds(inputs) for (key, _), inputs in zip(embedded, expanded)}
         whole_images, groups = self._by_prefix(embedded, embeds)
-        for batch in self._image_batches(whole_images, embeds):
-            self._store(batch, self._encode_embeds([embeds[key] for key, _ in batch]),
-                        [int(embeds[key].shape[0]) for key, _ in batch], results)
-        for batch in self._image_batches(self._encode_over_prefixes(groups, results, embeds), embeds):
-            self._store(batch, self._encode_embeds([embeds[key] for key, _ in batch]),
-                        [int(embeds[key].shape[0]) for key, _ in batch], results)
+        self._encode_whole(whole_images, results, embeds)
+        self._encode_whole(self._encode_over_prefixes(groups, results, embeds), results, embeds)
         for key, _ in embedded:
             sources = self.image_sources.get(key[1]) or ()
             self.image_sources.put(key[1], (key, *sources[:IMAGE_SOURCES - 1]))
@@ -546,9 +537,18 @@ class PromptEncodingMixin:
         assert len(outcomes) == len(results), "every prompt has its KV or its exception"
         return outcomes
 
-    def _image_batches(self, items: list[Pending], embeds: Mapping[CacheKey, torch.Tensor]) -> list[list[Pending]]:
-        """Image prompts to encode whole, in passes (`_prompt_batches` over their embeddings' lengths)."""
-        return self._prompt_batches(items, [int(embeds[key].shape[0]) for key, _ in items])
+    def _encode_whole(self, items: list[Pending], results: list[EncodedPrompt | Exception | None],
+                      embeds: Mapping[CacheKey, torch.Tensor] | None = None) -> None:
+        """Prompts encoded whole, in passes (`_prompt_batches`): text prompts from their ids, image
+        prompts (`embeds`: their input embeddings, by cache key) from their embeddings."""
+        if embeds is None:
+            for batch in self._prompt_batches(items, [len(key[0]) for key, _ in items]):
+                rows = [list(key[0]) for key, _ in batch]
+                self._store(batch, self._encode_ids(rows), [len(ids) for ids in rows], results)
+            return
+        for batch in self._prompt_batches(items, [int(embeds[key].shape[0]) for key, _ in items]):
+            self._store(batch, self._encode_embeds([embeds[key] for key, _ in batch]),
+                        [int(embeds[key].shape[0]) for key, _ in batch], results)
 
     def _prompt_batches(self, items: list[Item], lengths: list[int], prefix: int = 0) -> list[list[Item]]:
         """`items` grouped into encoder passes, shortest first: a pass holds at most `max_rows` rows and
@@ -602,8 +602,7 @@ class PromptEncodingMixin:
             assert graphs is not None  # (members are gathered only with graphs)
             for batch in self._prompt_batches(members, [len(suffix) for _, _, suffix in members], length):
                 rows = [suffix for _, _, suffix in batch]
-                prefix = ([source.layers for _, source, _ in batch], length)
-                layers = self._counted(graphs, graphs.encode_ids(rows, self.pad_id, prefix=prefix))
+                layers = self._static_pass(rows, ([source.layers for _, source, _ in batch], length))
                 if layers is None:
                     rest.extend(item for item, _, _ in batch)
                     continue
@@ -745,10 +744,9 @@ class PromptEncodingMixin:
             sizes = {key: (int(embeds[key].shape[0]) if embeds is not None else len(key[0])) for key, _ in items}
             for batch in self._prompt_batches(items, [sizes[key] - length for key, _ in items], length):
                 if embeds is None:
-                    layers = graphs.encode_ids([list(key[0][length:]) for key, _ in batch], self.pad_id, prefix=prefix)
+                    layers = self._static_pass([list(key[0][length:]) for key, _ in batch], prefix)
                 else:
-                    layers = graphs.encode_embeds([embeds[key][length:] for key, _ in batch], prefix)
-                layers = self._counted(graphs, layers)
+                    layers = self._counted(graphs, graphs.encode_embeds([embeds[key][length:] for key, _ in batch], prefix))
                 if layers is None:
                     refused.extend(batch)
                     continue
@@ -771,14 +769,14 @@ class PromptEncodingMixin:
         self.stats["prefixes_encoded"] += 1
         return EncodedPrompt(self._encode_ids([list(group.ids)])[0], length)
 
-    def _static_pass(self, rows: list[list[int]], prefix: EncodedPrompt | None = None) -> list[Layers] | None:
+    def _static_pass(self, rows: list[list[int]], prefix: Prefix | None = None) -> list[Layers] | None:
         """Each row's KV from one pass on the encoder graphs' static path (with `prefix`, the rows are
-        its suffixes and each row's KV is the whole prompt's); None where the path turns it down."""
+        suffixes of its prefixes and each row's KV is the whole prompt's); None where the path turns
+        it down."""
         graphs = self.encoder_graphs
         if graphs is None:
             return None
-        return self._counted(graphs, graphs.encode_ids(
-            rows, self.pad_id, prefix=([prefix.layers], prefix.length) if prefix else None))
+        return self._counted(graphs, graphs.encode_ids(rows, self.pad_id, prefix=prefix))
 
     def _store(self, batch: list[Pending], layers: list[Layers], lengths: list[int],
                results: list[EncodedPrompt | Exception | None]) -> None:

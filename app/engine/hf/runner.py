@@ -381,10 +381,10 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         prompts = [encoded[index] for index, _ in rows]
         self_conditioning = None
         generators = [self._generator(specs[index].seed * 1000003 + canvas_no) for index, canvas_no in rows]
+        shape = (f"{len(rows)} canvas(es) of up to {max(len(canvas) for canvas in canvases)} tokens over prompts "
+                 f"of up to {max(prompt.length for prompt in prompts)}")
         for remaining in range(steps, 0, -1):
-            self.step_note = (f"decoder pass {steps - remaining + 1} of {steps}: {len(rows)} canvas(es) of up to "
-                              f"{max(len(canvas) for canvas in canvases)} tokens over prompts of up to "
-                              f"{max(prompt.length for prompt in prompts)}")
+            self.step_note = f"decoder pass {steps - remaining + 1} of {steps}: {shape}"
             with torch.no_grad():
                 hidden = self.decoder_hidden(list(zip(prompts, canvases)), self_conditioning)
                 if remaining == 1:
