@@ -186,7 +186,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
             if any(cache.failed for cache in caches):  # the pool they share may be broken: stop
                 skipped[kind] += 1
                 continue
-            if reserve_bytes and self.device.type == "cuda" and torch.cuda.mem_get_info(self.device)[0] < reserve_bytes:
+            if reserve_bytes and self.device.type == "cuda" and not self._room_left(reserve_bytes):
                 skipped[kind] += 1
                 continue
             job()
@@ -196,6 +196,14 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
                         "passes run eagerly, counted): %s", reserve_bytes / 2**30, dict(skipped))
         self.freeze_graphs()
         return self.graphs_held()
+
+    def _room_left(self, reserve_bytes: int) -> bool:
+        """Whether the device has `reserve_bytes` free, counting what the allocator keeps cached (the
+        captures' warm runs leave their memory there: capture frees nothing between graphs)."""
+        if torch.cuda.mem_get_info(self.device)[0] >= reserve_bytes:
+            return True
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(self.device)[0] >= reserve_bytes
 
     def graph_memory_bytes(self) -> int:
         return sum(graphs.memory_bytes for graphs in (self.graphs, self.encoder_graphs) if graphs is not None)

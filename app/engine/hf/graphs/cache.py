@@ -23,21 +23,46 @@ K = TypeVar("K", bound=Hashable)
 G = TypeVar("G")
 
 
-def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Run `forward` once on a side stream, then capture it into a CUDA graph over the shared memory
-    `pool`; returns the graph and what the captured call returned (its outputs live in the pool and
-    are rewritten by every replay). The run before is needed for every shape, not only a kind's
-    first: without it the captures of new shapes failed on the H200 (a compiled piece's first call
-    of a shape copies from the host), and one failed capture left the pool recording, failing every
-    capture after it (docs/benchmarks.md)."""
+# What `capture` times, in milliseconds (the runner's counters; the start-up log sums them).
+CAPTURE_PHASES = ("graph_warm_ms", "graph_record_ms", "graph_instantiate_ms")
+
+
+def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torch.device, *, warm: bool = True,
+            times: Counter[str] | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Capture `forward` into a CUDA graph over the shared memory `pool`; returns the graph and what
+    the captured call returned (its outputs live in the pool and are rewritten by every replay).
+
+    With `warm`, `forward` first runs once on a side stream. A shape's first run is needed: without
+    it the captures of new shapes failed on the H200 (a compiled piece's first call of a shape
+    copies from the host), and one failed capture left the pool recording, failing every capture
+    after it (docs/benchmarks.md). The graphs' owners warm once per shape their compiled pieces see
+    (rows x tokens), not once per key: the keys that differ only in KV length run the same pieces.
+
+    Unlike `torch.cuda.graph`, nothing is freed before each capture (its `empty_cache` returned the
+    warm run's memory to the device, only for the next warm run to ask for it again); the start-up
+    empties the cache once, after the last capture. `times` gets the milliseconds of each phase
+    (CAPTURE_PHASES): the warm run, the recording, and the instantiation (`capture_end`)."""
+    phases = times if times is not None else Counter()
+    started = time.perf_counter()
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        forward()
-    torch.cuda.current_stream(device).wait_stream(stream)
+    if warm:
+        with torch.cuda.stream(stream):
+            forward()
+    torch.cuda.synchronize(device)
+    recorded = time.perf_counter()
+    phases["graph_warm_ms"] += round((recorded - started) * 1000)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = forward()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            output = forward()
+        finally:
+            ended = time.perf_counter()
+            graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    phases["graph_record_ms"] += round((ended - recorded) * 1000)
+    phases["graph_instantiate_ms"] += round((time.perf_counter() - ended) * 1000)
     return graph, output
 
 

@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from app.engine.hf.graphs.cache import GraphCache, capture
 from app.engine.hf.graphs.encoder import copy_all, shared_view
-from app.engine.hf.graphs.shapes import FIRST_KV_BUCKET, DecoderKey, ShapePolicy, doubling
+from app.engine.hf.graphs.shapes import FIRST_KV_BUCKET, DecoderKey, Pieces, ShapePolicy, decoder_pieces, doubling
 from app.engine.hf.parts import decoder_layers, encoder_layers, text_config
 
 if TYPE_CHECKING:
@@ -136,6 +136,7 @@ class DecoderGraphs:
         self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self.vocab = int(text_config(model).vocab_size)
         self._storage: dict[str, torch.Tensor] = {}
+        self._warmed: set[Pieces] = set()  # the pieces' shapes run once before a capture
         for layer in decoder_layers(model):
             append_in_place(layer.self_attn)
 
@@ -217,7 +218,10 @@ class DecoderGraphs:
         self._load(graph, [], None)
         if self.capture:
             before = torch.cuda.memory_allocated(self.device)
-            graph.graph, output = capture(lambda: self._forward(graph), self.pool, self.device)
+            pieces = decoder_pieces(key)
+            graph.graph, output = capture(lambda: self._forward(graph), self.pool, self.device,
+                                          warm=pieces not in self._warmed, times=self.stats)
+            self._warmed.add(pieces)
             self.captures += 1
             assert isinstance(output, torch.Tensor)
             graph.output = output

@@ -114,7 +114,8 @@ class VisionGraphs:
         )
         self._load(graph, pixel_values, positions)
         if self.capture:
-            graph.graph, outputs = capture(lambda: self._forward(graph), self.pool, self.device)
+            graph.graph, outputs = capture(lambda: self._forward(graph), self.pool, self.device,
+                                            times=self.stats)
             self.captures += 1
             assert isinstance(outputs, tuple)
             graph.features, graph.valid = outputs

@@ -13,7 +13,7 @@ import torch
 from app.build import prompt_limit
 from app.config import Settings
 from app.engine.hf.graphs.cache import GraphCache
-from app.engine.hf.graphs.shapes import EAGER_STEP, ShapePolicy, bucket_of, doubling
+from app.engine.hf.graphs.shapes import EAGER_STEP, ShapePolicy, bucket_of, decoder_pieces, doubling, encoder_pieces
 from tests.conftest import make_tiny_reader
 from tests.engine.hf.test_reader import spec_for
 
@@ -37,6 +37,22 @@ def test_the_default_sets_are_bounded():
     assert len(decoder) == len(set(decoder)) and len(encoder) == len(set(encoder))
     assert len(decoder) <= 200 and len(encoder) <= 260  # captured in seconds each kind on an H200
     assert DEFAULT.width_buckets == (16, 32, 64, 128) and DEFAULT.kv_buckets[-1] >= 32768
+
+
+def test_a_capture_runs_the_pass_first_once_per_shape_its_compiled_pieces_see():
+    """Keys that differ only in the KV attention reads (its length, a prefix's slots) share their
+    pieces' shape: the start-up runs a pass before recording only for the first of them (about a
+    quarter of the captures at the defaults), and keys that differ in rows, tokens a row or
+    self-conditioning never share one."""
+    decoder, encoder = DEFAULT.decoder_keys(), DEFAULT.encoder_keys()
+    decoder_shapes = {decoder_pieces(key) for key in decoder}
+    encoder_shapes = {encoder_pieces(key) for key in encoder}
+    assert len(decoder_shapes) == len({(rows, width, conditioned) for rows, width, _, _, conditioned in decoder})
+    assert len(decoder_shapes) + len(encoder_shapes) <= (len(decoder) + len(encoder)) / 2
+    assert decoder_pieces((8, 16, 256, 256, False)) == decoder_pieces((8, 16, 4096, 1024, False))
+    assert decoder_pieces((8, 16, 256, 256, False)) != decoder_pieces((8, 16, 256, 256, True))
+    assert encoder_pieces((4, 160, 256)) == encoder_pieces((4, 160, 768)) == encoder_pieces((4, 160, 0))
+    assert encoder_pieces((4, 160, 0)) != encoder_pieces((8, 160, 0)) != encoder_pieces((8, 192, 0))
 
 
 @pytest.mark.parametrize("settings", [Settings.of(), Settings.of(canvas=96, max_batch_rows=48),
@@ -197,3 +213,26 @@ def test_prepared_graphs_cover_the_reads_and_nothing_is_built_after(tiny_dir, to
     assert all(not isinstance(result, Exception) for result in runner.read(specs))
     assert runner.graphs_held() == before  # frozen: no build while serving
     assert runner.stats["graph_replays"] >= 1 and runner.stats["decoder_graph_fallbacks"] == 0
+
+
+def test_the_memory_reserve_counts_what_the_allocator_keeps_cached(monkeypatch):
+    """Capture frees nothing between graphs, so the warm runs' blocks stay in the allocator's cache:
+    the reserve check gives them back before it leaves a graph out (a run on the H200 left 184
+    encoder graphs out when it did not)."""
+    from types import SimpleNamespace
+
+    from app.engine.hf.runner import DiffusionRunner
+
+    free = {"bytes": 4 << 30, "cached": 10 << 30}
+    emptied = []
+
+    def empty_cache():
+        emptied.append(True)
+        free["bytes"] += free.pop("cached", 0)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 << 30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    runner = SimpleNamespace(device=torch.device("cuda", 0))
+    assert DiffusionRunner._room_left(runner, 12 << 30) and emptied == [True]  # type: ignore[arg-type]
+    assert DiffusionRunner._room_left(runner, 12 << 30) and emptied == [True]  # enough free: nothing emptied
+    assert not DiffusionRunner._room_left(runner, 20 << 30) and emptied == [True, True]  # type: ignore[arg-type]
