@@ -24,7 +24,8 @@ websockets in each; every state and frame unique, frames encoded before the cloc
       255 options x 8 questions, 200 questions, a big think budget, steps 8 x samples 32): its
       p50/p99/max; a heavy request the server refuses is recorded, not fatal.
 Before and after each row /metrics is read and the deltas of the engine counters whose names hold
-capture, compile, fallback, recompile or graph are reported, so a compile after ready shows.
+capture, compile, fallback, recompile, graph or retries are reported, so a compile after ready (or the
+allocator freeing its cache to find memory) shows.
 
 Output: the markdown tables (printed, and $OUT/bench_gpu_served.md), $OUT/bench_gpu_served.json,
 $OUT/camera_curve.png (row e), and the server's log $OUT/bench_gpu_served.server.log.
@@ -62,7 +63,7 @@ from bench.served_load import (  # noqa: E402
     worker_main,
 )
 
-COUNTER_WORDS = ("capture", "compile", "fallback", "recompile", "graph")
+COUNTER_WORDS = ("capture", "compile", "fallback", "recompile", "graph", "retries")
 # The engine's work in a row (its passes, their rows, the prompts encoded over a prefix, its busy time):
 # kept apart from the counters above, in each row's `engine` and the report's engine table.
 WORK_STATS = ("decoder_passes", "decoder_rows", "encoder_passes", "vision_passes", "prefix_hits",

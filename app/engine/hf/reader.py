@@ -595,6 +595,7 @@ class HFReader:
         input, the model: `_engine_failure`). Counts what the turn built and its busy time."""
         started = time.perf_counter()
         self.runner.step_note = ""  # (turns never overlap: the engine thread is idle here)
+        allocated = self.runner.allocator_counts()
         try:
             value = await loop.run_in_executor(self._executor, call, *args)
         except asyncio.CancelledError:
@@ -612,10 +613,13 @@ class HFReader:
             return False, None
         seconds = time.perf_counter() - started
         self._settle_if_built(seconds)
+        device_allocs, retries = (now - before for now, before in zip(self.runner.allocator_counts(), allocated))
+        self.runner.stats["allocator_retries"] += retries
         if seconds > SLOW_TURN_S:  # the scheduling contract bounds a turn: say which work broke it
             self.runner.stats["slow_turns"] += 1
-            log.warning("an engine turn took %.0f ms: %s for %d request(s); its last step: %s", seconds * 1000, work,
-                        len(jobs), self.runner.step_note or "-")
+            log.warning("an engine turn took %.0f ms: %s for %d request(s); its last step: %s; the allocator asked the "
+                        "device for memory %d time(s), %d after freeing its cache", seconds * 1000, work, len(jobs),
+                        self.runner.step_note or "-", device_allocs, retries)
         return True, value
 
     @staticmethod

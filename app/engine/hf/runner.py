@@ -17,6 +17,7 @@ slots, so a 262k-token vocabulary costs rows x slots, not rows x canvas width.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Generator, Sequence, TypeVar
@@ -219,6 +220,15 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
             if graphs is not None:
                 graphs.cache.freeze()
 
+    def allocator_counts(self) -> tuple[int, int]:
+        """(the caching allocator's device allocations, its retries) so far: a retry is a request the
+        cached blocks could not hold, met by freeing the whole cache and asking the device again (a
+        synchronising pause); (0, 0) off CUDA."""
+        if self.device.type != "cuda":
+            return 0, 0
+        stats = torch.cuda.memory_stats(self.device)
+        return int(stats.get("num_device_alloc", 0)), int(stats.get("num_alloc_retries", 0))
+
     def clear_caches(self) -> None:
         """Forget every encoded prompt, image feature and shared prefix (the warm-up's)."""
         for cache in (self.prompts, self.vision, self.prefixes, self.prefix_index, self.image_sources):
@@ -392,11 +402,13 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         shape = (f"{len(rows)} canvas(es) of up to {max(len(canvas) for canvas in canvases)} tokens over prompts "
                  f"of up to {max(prompt.length for prompt in prompts)}")
         for remaining in range(steps, 0, -1):
-            self.step_note = f"decoder pass {steps - remaining + 1} of {steps}: {shape}"
+            note = self.step_note = f"decoder pass {steps - remaining + 1} of {steps}: {shape}"
+            started = time.perf_counter()
             with torch.no_grad():
                 hidden = self.decoder_hidden(list(zip(prompts, canvases)), self_conditioning)
                 if remaining == 1:
                     return self._slot_reads(hidden, [specs[index] for index, _ in rows])
+                passed = time.perf_counter()
                 # Another step follows: only the slots move; every other position stays pinned.
                 temperature = temperature_at(remaining, steps, self.generation["t_min"], self.generation["t_max"])
                 logits = self.logits(hidden)
@@ -405,6 +417,9 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
                     self._denoise_positions(canvases[row], logits[row, slots], temperature, list(specs[index].slots),
                                             generators[row])
                 self_conditioning = (logits / temperature).to(self.model.dtype)
+            # Host time: the pass is queued, the sampling waits for it (each row's tokens come back).
+            self.step_note = (f"{note} (the pass queued in {(passed - started) * 1000:.0f} ms, sampled by "
+                              f"{(time.perf_counter() - started) * 1000:.0f} ms)")
             yield
         raise AssertionError("unreachable: steps >= 1")
 

@@ -6,6 +6,7 @@ is 64 tokens) and with an image ahead of the text; and the chunks take turns wit
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -111,6 +112,7 @@ def test_a_slow_turn_names_the_step_it_ran(tiny_dir, tokenizer, monkeypatch, cap
     async def scenario():
         await reader.start()
         await reader.read([long])
+        await reader.read([spec_for(tokenizer, "two steps", "q1: yes", [5, 6], steps=2)])
         await reader.read([spec_for(tokenizer, "short", "q1: yes", [5])])
         await reader.stop()
 
@@ -121,8 +123,12 @@ def test_a_slow_turn_names_the_step_it_ran(tiny_dir, tokenizer, monkeypatch, cap
     assert any(f"step 2 of a heavy read for 1 request(s); its last step: chunk 2 of {chunks} (48 tokens at 48)"
                in note for note in notes), notes
     assert any("its last step: decoder pass 1 of 1: 3 canvas(es)" in note for note in notes)
+    # A multi-step read's pass before another says where its host time went: queuing the pass, sampling.
+    assert any(re.search(r"its last step: decoder pass 1 of 2: 2 canvas\(es\) .* \(the pass queued in \d+ ms, "
+                         r"sampled by \d+ ms\)", note) for note in notes), notes
     assert notes[-1].endswith("its last step: decoder pass 1 of 1: 1 canvas(es) of up to 16 tokens over prompts of up "
-                              f"to {len(spec_for(tokenizer, 'short', 'q1: yes', [5]).prompt.ids)}")
+                              f"to {len(spec_for(tokenizer, 'short', 'q1: yes', [5]).prompt.ids)}; the allocator asked "
+                              "the device for memory 0 time(s), 0 after freeing its cache")  # (the CPU counts none)
 
 
 def test_the_prompt_lru_is_bounded_in_bytes_and_evicts_the_oldest_first():

@@ -45,11 +45,18 @@ class FakeRunner:
         self.lock = threading.Lock()
         self.fail_tag: int | None = None
         self.crash = False
+        self.allocations = [0, 0]  # (device allocations, retries) as the allocator would count them
+        self.retries_a_read = 0
+
+    def allocator_counts(self):
+        return tuple(self.allocations)
 
     def read(self, specs, preprocessed=None):
         time.sleep(self.delay)
         with self.lock:
             self.log.append(("read", [s.prompt.ids[0] for s in specs]))
+            self.allocations[0] += self.retries_a_read
+            self.allocations[1] += self.retries_a_read
         if self.crash:
             raise RuntimeError("the model fell over")
         out = []
@@ -447,6 +454,7 @@ def test_a_turn_past_the_slow_bound_is_logged_and_counted(monkeypatch, caplog):
 
     monkeypatch.setattr(reader_module, "SLOW_TURN_S", 0.04)
     runner = FakeRunner(delay=0.06)
+    runner.retries_a_read = 2  # the allocator freed its cache twice during the turn: the warning says so
     reader = make_reader(runner)
 
     async def scenario():
@@ -456,8 +464,9 @@ def test_a_turn_past_the_slow_bound_is_logged_and_counted(monkeypatch, caplog):
 
     with caplog.at_level("WARNING", logger="djev.engine"):
         run(scenario())
-    assert runner.stats["slow_turns"] == 1
-    assert any("an engine turn took" in r.message and "a read batch for 1 request" in r.message for r in caplog.records)
+    assert runner.stats["slow_turns"] == 1 and runner.stats["allocator_retries"] == 2
+    assert any("an engine turn took" in r.message and "a read batch for 1 request" in r.message
+               and "for memory 2 time(s), 2 after freeing its cache" in r.message for r in caplog.records)
     monkeypatch.setattr(reader_module, "SLOW_TURN_S", 10.0)
     runner = FakeRunner(delay=0.01)
     reader = make_reader(runner)
