@@ -37,10 +37,13 @@ IMAGE_BUCKETS = (1, 2, 4, 8)
 DecoderKey = tuple[int, int, int, int, bool]
 # (rows, suffix length, prefix slots); prefix slots are 0 without a prefix
 EncoderKey = tuple[int, int, int]
-# What a pass's compiled pieces see: (rows, tokens a row, self-conditioned). Keys that share it
-# differ only in the KV attention reads (its length, a prefix ahead of it), and a capture runs the
-# pass once before recording only for the first key of each (app/engine/hf/graphs/cache.py
-# `capture`): on the H200 the 204 decoder graphs captured with 32 such runs and none failed.
+# What a pass's compiled pieces see: (rows, tokens a row, and for the decoder whether it is
+# self-conditioned, for the encoder whether it runs over a prefix). Keys that share it differ only
+# in the KV length attention reads, and a capture runs the pass once before recording only for the
+# first key of each (app/engine/hf/graphs/cache.py `capture`). On the H200 the 204 decoder graphs
+# captured with 32 such runs and none failed; an encoder pass over a prefix does need a run of its
+# own: the first capture over a prefix of a shape warmed only without one failed (likely the
+# positions, which reach the pieces in another layout over a prefix).
 Pieces = tuple[int, int, bool]
 
 
@@ -51,9 +54,9 @@ def decoder_pieces(key: DecoderKey) -> Pieces:
 
 
 def encoder_pieces(key: EncoderKey) -> Pieces:
-    """(rows, suffix length, False) of an encoder key, whatever its prefix slots."""
-    rows, length, _ = key
-    return rows, length, False
+    """(rows, suffix length, over a prefix) of an encoder key, whatever its prefix slots."""
+    rows, length, slots = key
+    return rows, length, slots > 0
 
 
 def bucket_of(value: int, buckets: Sequence[int]) -> int | None:

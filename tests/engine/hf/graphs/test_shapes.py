@@ -43,7 +43,7 @@ def test_a_capture_runs_the_pass_first_once_per_shape_its_compiled_pieces_see():
     """Keys that differ only in the KV attention reads (its length, a prefix's slots) share their
     pieces' shape: the start-up runs a pass before recording only for the first of them (about a
     quarter of the captures at the defaults), and keys that differ in rows, tokens a row or
-    self-conditioning never share one."""
+    self-conditioning (decoder) or in running over a prefix or not (encoder) never share one."""
     decoder, encoder = DEFAULT.decoder_keys(), DEFAULT.encoder_keys()
     decoder_shapes = {decoder_pieces(key) for key in decoder}
     encoder_shapes = {encoder_pieces(key) for key in encoder}
@@ -51,7 +51,8 @@ def test_a_capture_runs_the_pass_first_once_per_shape_its_compiled_pieces_see():
     assert len(decoder_shapes) + len(encoder_shapes) <= (len(decoder) + len(encoder)) / 2
     assert decoder_pieces((8, 16, 256, 256, False)) == decoder_pieces((8, 16, 4096, 1024, False))
     assert decoder_pieces((8, 16, 256, 256, False)) != decoder_pieces((8, 16, 256, 256, True))
-    assert encoder_pieces((4, 160, 256)) == encoder_pieces((4, 160, 768)) == encoder_pieces((4, 160, 0))
+    # Over a prefix the pass needs a run of its own: the H200 failed that capture unwarmed.
+    assert encoder_pieces((4, 160, 256)) == encoder_pieces((4, 160, 768)) != encoder_pieces((4, 160, 0))
     assert encoder_pieces((4, 160, 0)) != encoder_pieces((8, 160, 0)) != encoder_pieces((8, 192, 0))
 
 
