@@ -108,9 +108,10 @@ def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
     if getattr(runner, "image_processor", None) is not None and vision_layers(runner.model):
         _read_all(runner, [ReadSpec(sample_image_prompt(runner), ((0,) * width,), (1,), ((base, base + 1),))])
     # A multi-step read of several canvases: its second step is the eager self-conditioned decoder
-    # pass (the conditioned graphs hold one row), a path none of the reads above takes, and the
-    # first of which after ready was the one turn of 1.6-2.2 s beside the served bench's heavy burst
-    # ("step 2 of a heavy read"; docs/benchmarks.md).
+    # pass (the conditioned graphs hold one row), a path none of the reads above takes. The first
+    # such pass after ready was the one turn of 1.6-2.2 s beside the served bench's heavy burst
+    # ("step 2 of a heavy read"); with this read in the warm-up the 32-row one still took 1.8 s
+    # once (docs/benchmarks.md), so what is first there is not all made here.
     _read_all(runner, [ReadSpec(Prompt(tuple(range(base, base + 64))), tuple((0,) * width for _ in range(WARM_UP_CANVASES)),
                                 (1,), ((base, base + 1),), steps=2)])
     runner.clear_caches()
