@@ -187,7 +187,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
             if any(cache.failed for cache in caches):  # the pool they share may be broken: stop
                 skipped[kind] += 1
                 continue
-            if reserve_bytes and self.device.type == "cuda" and not self._room_left(reserve_bytes):
+            if reserve_bytes and self.device.type == "cuda" and not self.room_left(reserve_bytes):
                 skipped[kind] += 1
                 continue
             job()
@@ -198,7 +198,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self.freeze_graphs()
         return self.graphs_held()
 
-    def _room_left(self, reserve_bytes: int) -> bool:
+    def room_left(self, reserve_bytes: int) -> bool:
         """Whether the device has `reserve_bytes` free, counting what the allocator keeps cached (the
         captures' warm runs leave their memory there: capture frees nothing between graphs)."""
         if torch.cuda.mem_get_info(self.device)[0] >= reserve_bytes:

@@ -234,6 +234,6 @@ def test_the_memory_reserve_counts_what_the_allocator_keeps_cached(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 << 30))
     monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
     runner = SimpleNamespace(device=torch.device("cuda", 0))
-    assert DiffusionRunner._room_left(runner, 12 << 30) and emptied == [True]  # type: ignore[arg-type]
-    assert DiffusionRunner._room_left(runner, 12 << 30) and emptied == [True]  # enough free: nothing emptied
-    assert not DiffusionRunner._room_left(runner, 20 << 30) and emptied == [True, True]  # type: ignore[arg-type]
+    assert DiffusionRunner.room_left(runner, 12 << 30) and emptied == [True]  # type: ignore[arg-type]
+    assert DiffusionRunner.room_left(runner, 12 << 30) and emptied == [True]  # enough free: nothing emptied
+    assert not DiffusionRunner.room_left(runner, 20 << 30) and emptied == [True, True]  # type: ignore[arg-type]
