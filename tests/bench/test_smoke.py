@@ -92,23 +92,3 @@ def test_probe_gpu_turns_tiny_runs(tmp_path):
     for mode in ("waits (as built)", "queued (no wait)"):
         assert data[mode]["turns"] >= 4 and len(data[mode]["turns_ms"]) == data[mode]["turns"]  # 900 tokens in 256s
 
-
-@pytest.mark.timeout(600)
-def test_probe_gpu_capture_tiny_runs(tmp_path):
-    """The capture probe on the CPU: no graphs there, but its variant reads run through the runner."""
-    run_bench("probe_gpu_capture.py", "--warm", "variant", "--out", str(tmp_path / "probe.json"), out=tmp_path)
-    report = json.loads((tmp_path / "probe.json").read_text())
-    # The sheet's read, then at one and at two rows: plain, past the window, over the prefix, two steps.
-    assert report["graphs"] is False and report["variant_reads"] == 1 + 4 * (1 + 2)
-
-
-def test_the_capture_probe_warms_once_per_compiled_variant():
-    """Its coarser rule: one row apart from several, and the layout (self-conditioned; over a prefix,
-    past the sliding window), whatever the width, length or KV."""
-    from bench.probe_gpu_capture import variant_pieces
-
-    decoder, encoder = variant_pieces(1024)
-    assert decoder((2, 16, 256, 256, False)) == decoder((64, 128, 32768, 1024, False)) != decoder((1, 16, 256, 256, False))
-    assert decoder((1, 16, 256, 256, True)) != decoder((1, 16, 256, 256, False))
-    assert encoder((2, 64, 0)) == encoder((32, 192, 0)) != encoder((2, 64, 256)) == encoder((16, 256, 768))
-    assert encoder((2, 1536, 0)) != encoder((2, 1024, 0)) and encoder((1, 64, 0)) != encoder((2, 64, 0))

@@ -35,8 +35,8 @@ def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torc
     With `warm`, `forward` first runs once on a side stream. A shape's first run is needed: without
     it the captures of new shapes failed on the H200 (a compiled piece's first call of a shape
     copies from the host), and one failed capture left the pool recording, failing every capture
-    after it (docs/benchmarks.md). The graphs' owners warm once per shape their compiled pieces see
-    (rows x tokens), not once per key: the keys that differ only in KV length run the same pieces.
+    after it (docs/benchmarks.md). The graphs' owners warm once per value of the shape policy's
+    `decoder_pieces` / `encoder_pieces` (GRAPH_WARM's rule), not once per key.
 
     Unlike `torch.cuda.graph`, nothing is freed before each capture (its `empty_cache` returned the
     warm run's memory to the device, only for the next warm run to ask for it again); the start-up

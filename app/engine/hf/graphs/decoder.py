@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from app.engine.hf.graphs.cache import GraphCache, capture
 from app.engine.hf.graphs.encoder import copy_all, shared_view
-from app.engine.hf.graphs.shapes import FIRST_KV_BUCKET, DecoderKey, Pieces, ShapePolicy, decoder_pieces, doubling
+from app.engine.hf.graphs.shapes import FIRST_KV_BUCKET, DecoderKey, Pieces, ShapePolicy, doubling
 from app.engine.hf.parts import decoder_layers, encoder_layers, text_config
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ class DecoderGraphs:
         self._load(graph, [], None)
         if self.capture:
             before = torch.cuda.memory_allocated(self.device)
-            pieces = decoder_pieces(key)
+            pieces = self.policy.decoder_pieces(key)
             graph.graph, output = capture(lambda: self._forward(graph), self.pool, self.device,
                                           warm=pieces not in self._warmed, times=self.stats)
             self._warmed.add(pieces)

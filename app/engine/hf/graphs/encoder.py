@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 
 from app.engine.hf.graphs.cache import GraphCache, capture
-from app.engine.hf.graphs.shapes import EncoderKey, Pieces, ShapePolicy, encoder_pieces
+from app.engine.hf.graphs.shapes import EncoderKey, Pieces, ShapePolicy
 from app.engine.hf.parts import encoder_layers
 
 if TYPE_CHECKING:
@@ -286,7 +286,7 @@ class EncoderGraphs:
         )
         if self.capture and self.graphed(key):
             before = torch.cuda.memory_allocated(self.device)
-            pieces = encoder_pieces(key)
+            pieces = self.policy.encoder_pieces(key)
             graph.graph, _ = capture(lambda: self._forward(graph), self.pool, self.device,
                                      warm=pieces not in self._warmed, times=self.stats)
             self._warmed.add(pieces)
