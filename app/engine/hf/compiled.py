@@ -92,28 +92,23 @@ def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
     dropped."""
     import time
 
-    from app.engine.base import Prompt, ReadSpec
-
     started = time.perf_counter()
     width = max(4, canvas_length)
-    base = min(1000, runner.vocab_size // 4)  # ordinary text ids, clear of the special and image ids
+    base = _text_base(runner)
     for count in WARM_UP_ROWS:
-        specs = [ReadSpec(Prompt(tuple(range(base + 97 * row, base + 97 * row + 64 + 16 * row))),
-                          ((0,) * width,), (1,), ((base, base + 1),)) for row in range(count)]
-        _read_all(runner, specs)
+        _read_all(runner, [_read_of(runner, tuple(range(base + 97 * row, base + 97 * row + 64 + 16 * row)), width)
+                           for row in range(count)])
     chunk = runner.prefill_chunk
     if 2 * chunk + 64 <= runner.max_prompt_tokens:  # a long prompt's chunks: the first, a full one after it, a short last
-        ids = tuple(base + i % 997 for i in range(2 * chunk + 64))
-        _read_all(runner, [ReadSpec(Prompt(ids), ((0,) * width,), (1,), ((base, base + 1),))])
+        _read_all(runner, [_read_of(runner, tuple(base + i % 997 for i in range(2 * chunk + 64)), width)])
     if getattr(runner, "image_processor", None) is not None and vision_layers(runner.model):
-        _read_all(runner, [ReadSpec(sample_image_prompt(runner), ((0,) * width,), (1,), ((base, base + 1),))])
+        _read_all(runner, [_read_of(runner, sample_image_prompt(runner), width)])
     # A multi-step read of several canvases: its second step is the eager self-conditioned decoder
     # pass (the conditioned graphs hold one row), a path none of the reads above takes. The first
     # such pass after ready was the one turn of 1.6-2.2 s beside the served bench's heavy burst
     # ("step 2 of a heavy read"); with this read in the warm-up the 32-row one still took 1.8 s
     # once (docs/benchmarks.md), so what is first there is not all made here.
-    _read_all(runner, [ReadSpec(Prompt(tuple(range(base, base + 64))), tuple((0,) * width for _ in range(WARM_UP_CANVASES)),
-                                (1,), ((base, base + 1),), steps=2)])
+    _read_all(runner, [_read_of(runner, tuple(range(base, base + 64)), width, canvases=WARM_UP_CANVASES, steps=2)])
     runner.clear_caches()
     runner.stats.clear()  # the counters (and /metrics) start at the first request
     return time.perf_counter() - started
@@ -129,13 +124,11 @@ def warm_up_variants(runner: DiffusionRunner) -> int:
     the sliding window, prompts over a shared prefix (a question sheet's), and a two-step read (the
     self-conditioned pass). The graphs these reads need are built as they go (the caches are not
     frozen yet). Returns how many reads ran; the prompt KV they leave is dropped."""
-    from app.engine.base import Prompt, ReadSpec
-
-    base = min(1000, runner.vocab_size // 4)  # ordinary text ids, clear of the special and image ids
+    base = _text_base(runner)
     window = runner.policy.sliding_window
 
     def spec(ids: list[int], steps: int = 1) -> ReadSpec:
-        return ReadSpec(Prompt(tuple(ids)), ((0,) * 16,), (1,), ((base, base + 1),), steps=steps)
+        return _read_of(runner, tuple(ids), 16, steps=steps)
 
     def text(offset: int, length: int) -> list[int]:
         return [base + (offset + i) % 997 for i in range(length)]
@@ -159,10 +152,25 @@ def sample_image_prompt(runner: DiffusionRunner) -> Prompt:
     and the patch layout the vision graphs are captured for."""
     from app.engine.base import ImageInput, Prompt
 
-    base = min(1000, runner.vocab_size // 4)
+    base = _text_base(runner)
     image_id = runner.config.image_token_id
     assert image_id is not None  # a model with an image processor and a vision tower has an image token
     return Prompt((*range(base, base + 32), int(image_id)), (ImageInput(_grey_jpeg(), "image/jpeg", "warm-up"),))
+
+
+def _text_base(runner: DiffusionRunner) -> int:
+    """The first of the warm-ups' ordinary text ids, clear of the special and image ids."""
+    return min(1000, runner.vocab_size // 4)
+
+
+def _read_of(runner: DiffusionRunner, prompt: Prompt | tuple[int, ...], width: int, canvases: int = 1,
+             steps: int = 1) -> ReadSpec:
+    """A warm-up read: `prompt` (or its ids), `canvases` blank canvases of `width`, one slot."""
+    from app.engine.base import Prompt, ReadSpec
+
+    base = _text_base(runner)
+    return ReadSpec(prompt if isinstance(prompt, Prompt) else Prompt(prompt), tuple((0,) * width for _ in range(canvases)),
+                    (1,), ((base, base + 1),), steps=steps)
 
 
 def _read_all(runner: DiffusionRunner, specs: list[ReadSpec]) -> None:

@@ -238,6 +238,7 @@ class HFReader:
         self._last_rows = 0  # canvases in the last read batch: the callers likely to come back under load
         self._stepped = False  # the last turn was a heavy read's step or a generation's pass
         self._compiled = compile_counts(runner)  # as of `start` (ready), then of the last pass
+        self._allocations = runner.allocator_counts()  # the allocator's (device allocations, retries) after the last turn
         self._image_executor: ThreadPoolExecutor | None = None
         self._images_held = 0  # preprocessed images reserved or riding with queued jobs
         self._degraded: str | None = None  # why the engine runs degraded, when it has to (`degraded`)
@@ -270,6 +271,7 @@ class HFReader:
         self._collector = CollectorWatch(self.runner.stats)
         gc.callbacks.append(self._collector)
         self._compiled = compile_counts(self.runner)
+        self._allocations = self.runner.allocator_counts()
         for name in AFTER_READY:
             self.runner.stats[name] += 0  # exported from the first scrape on, at 0
         self._wakeup = asyncio.Event()
@@ -596,7 +598,6 @@ class HFReader:
         input, the model: `_engine_failure`). Counts what the turn built and its busy time."""
         started = time.perf_counter()
         self.runner.step_note = ""  # (turns never overlap: the engine thread is idle here)
-        allocated = self.runner.allocator_counts()
         try:
             value = await loop.run_in_executor(self._executor, call, *args)
         except asyncio.CancelledError:
@@ -614,7 +615,9 @@ class HFReader:
             return False, None
         seconds = time.perf_counter() - started
         self._settle_if_built(seconds)
-        device_allocs, retries = (now - before for now, before in zip(self.runner.allocator_counts(), allocated))
+        allocations, before = self.runner.allocator_counts(), self._allocations
+        self._allocations = allocations  # one read a turn: the engine thread alone allocates, and only in turns
+        device_allocs, retries = allocations[0] - before[0], allocations[1] - before[1]
         self.runner.stats["allocator_retries"] += retries
         if seconds > SLOW_TURN_S:  # the scheduling contract bounds a turn: say which work broke it
             self.runner.stats["slow_turns"] += 1

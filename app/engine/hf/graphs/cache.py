@@ -35,8 +35,8 @@ def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torc
     With `warm`, `forward` first runs once on a side stream. A shape's first run is needed: without
     it the captures of new shapes failed on the H200 (a compiled piece's first call of a shape
     copies from the host), and one failed capture left the pool recording, failing every capture
-    after it (docs/benchmarks.md). The graphs' owners warm once per value of the shape policy's
-    `decoder_pieces` / `encoder_pieces` (GRAPH_WARM's rule), not once per key.
+    after it (docs/benchmarks.md). The graphs' owners ask `GraphCache.first_run`: once per value of
+    the shape policy's `decoder_pieces` / `encoder_pieces` (GRAPH_WARM's rule), not once per key.
 
     Unlike `torch.cuda.graph`, nothing is freed before each capture (its `empty_cache` returned the
     warm run's memory to the device, only for the next warm run to ask for it again); the start-up
@@ -69,15 +69,31 @@ def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torc
 class GraphCache(Generic[K, G]):
     """Graphs of one kind (`name`: "decoder", "encoder", "vision") by key. `build(key)` makes one
     (capturing it where the kind captures). Counts go into `stats` (the runner's counters, which
-    /metrics exports): `<name>_graphs_built`, `<name>_graph_fallbacks`, and the milliseconds building took."""
+    /metrics exports): `<name>_graphs_built`, `<name>_graph_fallbacks`, and the milliseconds building took.
+    `pieces(key)` says what a key's run before capture stands for (the shape policy's rule,
+    GRAPH_WARM); without it every key runs first."""
 
-    def __init__(self, name: str, build: Callable[[K], G], stats: Counter[str]) -> None:
+    def __init__(self, name: str, build: Callable[[K], G], stats: Counter[str],
+                 pieces: Callable[[K], Hashable] | None = None) -> None:
         self.name = name
         self._build = build
         self.stats = stats
+        self._pieces = pieces
+        self._warmed: set[Hashable] = set()
         self._held: dict[K, G] = {}
         self.failed: dict[K, str] = {}  # keys whose build failed, and why: their passes run eagerly
         self.frozen = False
+
+    def first_run(self, key: K) -> bool:
+        """Whether the capture of `key` runs its pass first (`capture`'s `warm`): the first key of
+        each value of `pieces`, or every key without it. Counts the key as run."""
+        if self._pieces is None:
+            return True
+        pieces = self._pieces(key)
+        if pieces in self._warmed:
+            return False
+        self._warmed.add(pieces)
+        return True
 
     def get(self, key: K | None) -> G | None:
         """The graph for `key`, built now if the cache is not frozen; None for the eager path (no
@@ -133,4 +149,5 @@ class GraphCache(Generic[K, G]):
     def clear(self) -> None:
         self._held.clear()
         self.failed.clear()
+        self._warmed.clear()
         self.frozen = False

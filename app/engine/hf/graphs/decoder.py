@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from app.engine.hf.graphs.cache import GraphCache, capture
 from app.engine.hf.graphs.encoder import copy_all, shared_view
-from app.engine.hf.graphs.shapes import FIRST_KV_BUCKET, DecoderKey, Pieces, ShapePolicy, doubling
+from app.engine.hf.graphs.shapes import FIRST_KV_BUCKET, DecoderKey, ShapePolicy, doubling
 from app.engine.hf.parts import decoder_layers, encoder_layers, text_config
 
 if TYPE_CHECKING:
@@ -131,12 +131,12 @@ class DecoderGraphs:
         self.capture = capture
         self.policy = policy
         self.stats: Counter[str] = stats if stats is not None else Counter()
-        self.cache: GraphCache[DecoderKey, _Graph] = GraphCache("decoder", self._build, self.stats)
+        self.cache: GraphCache[DecoderKey, _Graph] = GraphCache("decoder", self._build, self.stats,
+                                                                      policy.decoder_pieces)
         self.captures = 0  # graphs captured (CUDA graphs; 0 on the static path)
         self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self.vocab = int(text_config(model).vocab_size)
         self._storage: dict[str, torch.Tensor] = {}
-        self._warmed: set[Pieces] = set()  # the pieces' shapes run once before a capture
         for layer in decoder_layers(model):
             append_in_place(layer.self_attn)
 
@@ -218,10 +218,8 @@ class DecoderGraphs:
         self._load(graph, [], None)
         if self.capture:
             before = torch.cuda.memory_allocated(self.device)
-            pieces = self.policy.decoder_pieces(key)
             graph.graph, output = capture(lambda: self._forward(graph), self.pool, self.device,
-                                          warm=pieces not in self._warmed, times=self.stats)
-            self._warmed.add(pieces)
+                                          warm=self.cache.first_run(key), times=self.stats)
             self.captures += 1
             assert isinstance(output, torch.Tensor)
             graph.output = output

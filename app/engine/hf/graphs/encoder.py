@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 
 from app.engine.hf.graphs.cache import GraphCache, capture
-from app.engine.hf.graphs.shapes import EncoderKey, Pieces, ShapePolicy
+from app.engine.hf.graphs.shapes import EncoderKey, ShapePolicy
 from app.engine.hf.parts import encoder_layers
 
 if TYPE_CHECKING:
@@ -136,12 +136,12 @@ class EncoderGraphs:
         self.capture = capture
         self.policy = policy
         self.stats: Counter[str] = stats if stats is not None else Counter()
-        self.cache: GraphCache[EncoderKey, _Graph] = GraphCache("encoder", self._build, self.stats)
+        self.cache: GraphCache[EncoderKey, _Graph] = GraphCache("encoder", self._build, self.stats,
+                                                                      policy.encoder_pieces)
         self.captures = 0  # graphs captured (CUDA graphs; 0 on the static path)
         self.pool = pool if pool is not None or not capture else torch.cuda.graph_pool_handle()
         self.last_graphed = False  # whether the last pass was a replay (else unbucketed, eager)
         self._storage: dict[str, torch.Tensor] = {}  # flat buffers every graph's static tensors view
-        self._warmed: set[Pieces] = set()  # the pieces' shapes run once before a capture
         # A shared prefix's length, read by every graph at replay (graphs never run at once).
         self.prefix_length = torch.zeros(1, dtype=torch.long, device=device)
 
@@ -286,10 +286,8 @@ class EncoderGraphs:
         )
         if self.capture and self.graphed(key):
             before = torch.cuda.memory_allocated(self.device)
-            pieces = self.policy.encoder_pieces(key)
             graph.graph, _ = capture(lambda: self._forward(graph), self.pool, self.device,
-                                     warm=pieces not in self._warmed, times=self.stats)
-            self._warmed.add(pieces)
+                                     warm=self.cache.first_run(key), times=self.stats)
             self.captures += 1
             graph.memory = torch.cuda.memory_allocated(self.device) - before
             log.debug("captured the encoder pass for %d rows x %d tokens after %d prefix slots (%.0f MiB)", batch,

@@ -257,3 +257,13 @@ def test_the_memory_reserve_counts_what_the_allocator_keeps_cached(monkeypatch):
     assert DiffusionRunner.room_left(runner, 12 << 30) and emptied == [True]  # type: ignore[arg-type]
     assert DiffusionRunner.room_left(runner, 12 << 30) and emptied == [True]  # enough free: nothing emptied
     assert not DiffusionRunner.room_left(runner, 20 << 30) and emptied == [True, True]  # type: ignore[arg-type]
+
+
+def test_the_graph_cache_runs_the_first_key_of_each_pieces_value_before_capture():
+    """`GraphCache.first_run`, what a kind's capture asks before recording: the first key of each
+    value of the policy's pieces rule runs first, the rest do not; without a rule every key does."""
+    cache: GraphCache[tuple, str] = GraphCache("decoder", lambda key: "graph", Counter(), DEFAULT.decoder_pieces)
+    assert cache.first_run((8, 16, 256, 256, False)) and not cache.first_run((8, 16, 4096, 1024, False))
+    assert cache.first_run((8, 32, 256, 256, False))
+    vision: GraphCache[tuple, str] = GraphCache("vision", lambda key: "graph", Counter())
+    assert vision.first_run((1, 256, 768)) and vision.first_run((1, 256, 768))
