@@ -17,6 +17,11 @@ from typing import Sequence
 # the ticket's ~120-137 tokens after its sheet, which went to 192), coarse where prompts are long and
 # batches small.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
+# Rows of a pass over a shared prefix: the served batches (a question sheet's tickets, walk frames
+# over their sheet, gated stages over their frames) come in every count, and a padded row costs its
+# full suffix (5.4 walk frames a turn padded to 8, 22 tickets to 32: docs/benchmarks.md), so the
+# steps between the powers of two are captured too.
+PREFIX_ROW_BUCKETS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 LENGTH_BUCKETS = (64, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096)
 # A shared prefix's slots ahead of the suffixes (a question sheet's system turn is 100-500 tokens;
 # a longer one is encoded with each prompt, whole).
@@ -90,6 +95,7 @@ class ShapePolicy:
     # The buckets themselves (the module's constants; a test with the tiny model's 64-token window
     # gives smaller ones).
     encoder_rows: tuple[int, ...] = ROW_BUCKETS
+    prefix_rows: tuple[int, ...] = PREFIX_ROW_BUCKETS
     encoder_lengths: tuple[int, ...] = LENGTH_BUCKETS
     prefix_slots: tuple[int, ...] = PREFIX_BUCKETS
     first_kv_bucket: int = FIRST_KV_BUCKET
@@ -184,7 +190,7 @@ class ShapePolicy:
         graph); None past the caps, and for a prefix whose pass would not fit the sliding window."""
         if rows < 1 or longest < 1:
             return None
-        batch = bucket_of(rows, self.encoder_rows)
+        batch = bucket_of(rows, self.prefix_rows if prefix else self.encoder_rows)
         length = bucket_of(longest, self.encoder_lengths)
         slots = bucket_of(prefix, self.prefix_slots) if prefix else 0
         if batch is None or length is None or slots is None:
@@ -203,15 +209,22 @@ class ShapePolicy:
         """Whether the static pass for `key` replays a graph: its buckets hold fewer than
         `eager_tokens` tokens (an unbucketed key never is one: its buckets would hold more)."""
         rows, length, slots = key
-        return (rows in self.encoder_rows and length in self.encoder_lengths and rows * length < self.eager_tokens
-                and (not slots or slots in self.prefix_slots))
+        if slots:
+            return (rows in self.prefix_rows and slots in self.prefix_slots and length in self.encoder_lengths
+                    and rows * length < self.eager_tokens)
+        return rows in self.encoder_rows and length in self.encoder_lengths and rows * length < self.eager_tokens
 
     def encoder_keys(self) -> list[EncoderKey]:
         """Every encoder shape to capture, most used first (no prefix, short, few rows)."""
         keys = [(rows, length, slots) for slots in (0, *self.prefix_slots) for length in self.encoder_lengths
-                for rows in self.encoder_rows]
-        largest = bucket_of(min(self.max_rows, self.encoder_rows[-1]), self.encoder_rows) or self.encoder_rows[-1]
-        return [key for key in keys if key[0] <= largest and self.encoder_graphed(key) and self._encoder_fits(key)]
+                for rows in (self.prefix_rows if slots else self.encoder_rows)]
+        return [key for key in keys if key[0] <= self._largest_rows(key[2]) and self.encoder_graphed(key)
+                and self._encoder_fits(key)]
+
+    def _largest_rows(self, slots: int) -> int:
+        """The most rows an encoder graph holds: the bucket of MAX_BATCH_ROWS (or the largest)."""
+        buckets = self.prefix_rows if slots else self.encoder_rows
+        return bucket_of(min(self.max_rows, buckets[-1]), buckets) or buckets[-1]
 
     # ------------------------------------------------------------------ the runs before capture
 

@@ -25,8 +25,9 @@ def graphed_runner(tiny_dir, **options):
     other fields as given (`encoder_slots`, `eager_tokens`)."""
     runner = make_tiny_reader(tiny_dir).runner
     lengths = options.pop("lengths", LENGTHS)
+    rows = options.pop("rows", (1, 2, 4))
     runner.policy = dataclasses.replace(runner.policy, encoder_lengths=lengths, prefix_slots=lengths,
-                                        encoder_rows=options.pop("rows", (1, 2, 4)), **options)
+                                        encoder_rows=rows, prefix_rows=rows, **options)
     runner.encoder_graphs = EncoderGraphs(
         runner.model, runner.layer_types, runner.device, capture=False,
         sliding_window=int(runner.text_config.sliding_window), policy=runner.policy, stats=runner.stats)

@@ -124,6 +124,17 @@ def test_every_encoder_shape_maps_to_a_captured_key_or_runs_unbucketed_or_falls_
     assert DEFAULT.encoder_key(1, 900, 600) is None  # a prefix pass past the sliding window
 
 
+def test_passes_over_a_prefix_pad_to_finer_rows():
+    """The served batches run over a shared prefix and come in every count: 5 walk frames pad to 6
+    rows, 22 tickets to 24; a pass without a prefix keeps the powers of two."""
+    assert DEFAULT.encoder_key(5, 355, 400) == (6, 384, 512)
+    assert DEFAULT.encoder_key(22, 150, 256) == (24, 160, 256)
+    assert DEFAULT.encoder_key(5, 355) == (8, 384, 0) and DEFAULT.encoder_key(22, 150) == (32, 160, 0)
+    captured = set(DEFAULT.encoder_keys())
+    assert {(6, 384, 512), (12, 384, 512), (24, 160, 256)} <= captured and (6, 384, 0) not in captured
+    assert not DEFAULT.encoder_graphed((6, 384, 0)) and DEFAULT.encoder_graphed((6, 384, 512))
+
+
 # The walk page's frame at full size: 411 prompt ids ahead of the frame (the sheet), the frame's 280
 # soft tokens between begin and end, 62 ids after it; the gated stage restates the answer in 76.
 WALK_SHEET, WALK_FRAME, WALK_AFTER, WALK_RESTATED = 411, 282, 62, 76
