@@ -105,7 +105,6 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
         max_images=settings.limits.max_images,
         prefill_chunk=settings.hf.prefill_chunk,
         prompt_cache_bytes=round(settings.hf.prompt_cache_gb * 2**30),
-        graph_warm=settings.hf.graph_warm,
     )
 
 

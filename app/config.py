@@ -18,8 +18,6 @@ from typing import Any, Iterator, Mapping
 ENGINES = ("hf", "vllm", "remote")
 # DEBIAS's values (app/decisions/debias.py MODES, the request key's; a test keeps them equal).
 DEBIAS_MODES = ("off", "canonical", "rotate", "prior", "canonical+prior", "rotate+prior")
-# GRAPH_WARM's values (app/engine/hf/graphs/shapes.py WARM_RULES; a test keeps them equal).
-GRAPH_WARM_RULES = ("shape", "variant")
 MAX_DEBIAS_ROTATIONS = 32
 LOG_FORMATS = ("text", "json")
 
@@ -215,15 +213,9 @@ class HFSettings:
     prefill_chunk: int = field(default=2048, metadata=_meta(
         "PREFILL_CHUNK", "hf: prompt tokens encoded in one engine turn; a longer prompt is encoded in chunks, "
         "taking turns with other reads (docs/design.md §2.2)"))
-    graph_warm: str = field(default="shape", metadata=_meta(
-        "GRAPH_WARM", "hf: when the start-up runs a pass before capturing its graph: shape (once per shape the "
-        "compiled layers see, measured) or variant (once per compiled variant, after reads that make each: "
-        "a shorter start-up, not yet measured on a GPU; docs/design.md §4.8)"))
 
     def problems(self) -> list[str]:
         problems = ["MAX_BATCH_ROWS must be at least 1"] if self.max_batch_rows < 1 else []
-        if self.graph_warm not in GRAPH_WARM_RULES:
-            problems.append(f"GRAPH_WARM must be one of {', '.join(GRAPH_WARM_RULES)}, not {self.graph_warm!r}")
         if self.prefill_chunk < 16:
             problems.append(f"PREFILL_CHUNK must be at least 16 tokens, not {self.prefill_chunk}")
         if not self.prompt_cache_gb >= 0:

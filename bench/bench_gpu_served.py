@@ -775,7 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": info, "model": "tiny config" if args.tiny else "DiffusionGemma 26B-A4B architecture, random bf16",
         "args": {key: value for key, value in vars(args).items() if key not in ("server_child", "port")},
         "settings": {"torch_compile": settings.hf.torch_compile, "fused_moe": settings.hf.fused_moe,
-                     "cuda_graphs": settings.hf.cuda_graphs, "graph_warm": settings.hf.graph_warm,
+                     "cuda_graphs": settings.hf.cuda_graphs,
                      "batch_gather_ms": settings.hf.batch_gather_ms,
                      "max_sessions": settings.limits.max_sessions, "max_inflight": settings.limits.max_inflight},
         "startup": {}, "rows": [], "notes": [],

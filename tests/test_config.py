@@ -49,7 +49,6 @@ def test_flags_override_the_environment(monkeypatch):
     ({"DEBIAS_ROTATIONS": "1"}, "DEBIAS_ROTATIONS must be 2 to 32, not 1"),
     ({"DEBIAS_ROTATIONS": "33"}, "DEBIAS_ROTATIONS must be 2 to 32, not 33"),
     ({"DEBIAS_ROTATIONS": "eight"}, "DEBIAS_ROTATIONS must be an integer"),
-    ({"GRAPH_WARM": "layer"}, "GRAPH_WARM must be one of shape, variant, not 'layer'"),
 ])
 def test_bad_settings_are_refused_by_name(env, message):
     with pytest.raises(ValueError) as info:

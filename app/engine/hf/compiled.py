@@ -114,39 +114,6 @@ def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
     return time.perf_counter() - started
 
 
-# A compiled piece specialises one row apart from several: the variant reads run at each.
-VARIANT_ROWS = (1, 2)
-
-
-def warm_up_variants(runner: DiffusionRunner) -> int:
-    """Reads that make each compiled variant once before the capture under GRAPH_WARM=variant
-    (app/engine/hf/graphs/shapes.py WARM_RULES), at one row and at two: plain prompts, prompts past
-    the sliding window, prompts over a shared prefix (a question sheet's), and a two-step read (the
-    self-conditioned pass). The graphs these reads need are built as they go (the caches are not
-    frozen yet). Returns how many reads ran; the prompt KV they leave is dropped."""
-    base = _text_base(runner)
-    window = runner.policy.sliding_window
-
-    def spec(ids: list[int], steps: int = 1) -> ReadSpec:
-        return _read_of(runner, tuple(ids), 16, steps=steps)
-
-    def text(offset: int, length: int) -> list[int]:
-        return [base + (offset + i) % 997 for i in range(length)]
-
-    # Only the reads meant to go over the sheet's prefix begin as it does (offset 0).
-    sheet = text(0, 256)
-    batches = [[spec(sheet + text(300, 40))]]  # encoded whole: the prefix the later reads go over
-    for rows in VARIANT_ROWS:
-        batches += [[spec(text(107 + 100 * row, 64 + row)) for row in range(rows)],
-                    [spec(text(313 + 50 * row, window + 100 + row)) for row in range(rows)],
-                    [spec(sheet + text(500 + 50 * row, 40 + row)) for row in range(rows)],
-                    [spec(text(900 + 10 * row, 80 + row), steps=2) for row in range(rows)]]
-    for batch in batches:
-        _read_all(runner, batch)
-    runner.clear_caches()
-    return sum(len(batch) for batch in batches)
-
-
 def sample_image_prompt(runner: DiffusionRunner) -> Prompt:
     """A short prompt of plain text ids and one grey camera-sized frame: the warm-up's image read,
     and the patch layout the vision graphs are captured for."""

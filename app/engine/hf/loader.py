@@ -111,7 +111,6 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         max_images=options.max_images,
         prefill_chunk=options.prefill_chunk,
         kv_bytes=options.prompt_cache_bytes,
-        graph_warm=options.graph_warm,
     )
     if options.fused_moe and on_cuda:
         from app.engine.hf.moe.fused import warm_up_experts
@@ -211,13 +210,10 @@ def prepare_graphs(runner: DiffusionRunner, progress: StartupProgress) -> None:
 
     import torch
 
-    from app.engine.hf.compiled import sample_image_prompt, warm_up_variants
+    from app.engine.hf.compiled import sample_image_prompt
     from app.engine.hf.graphs.cache import CAPTURE_PHASES
 
     started = time.perf_counter()
-    if runner.policy.warm == "variant":  # GRAPH_WARM: each compiled variant once, then no run before a capture
-        log.info("GRAPH_WARM=variant: %d reads made each compiled variant in %.1f s", warm_up_variants(runner),
-                 time.perf_counter() - started)
     sample = sample_image_prompt(runner) if runner.image_processor is not None else None
     held = runner.prepare_graphs(progress, reserve_bytes=GRAPH_RESERVE_BYTES, sample_image=sample)
     runner.clear_caches()

@@ -80,7 +80,6 @@ class HFOptions:
     max_images: int = 8  # images a request may hold
     prefill_chunk: int = 2048  # prompt tokens encoded in one engine turn (longer prompts: in chunks)
     prompt_cache_bytes: int = 0  # the bytes the prompt LRU may hold (0: bounded by entries only)
-    graph_warm: str = "shape"  # when a capture runs its pass first (app/engine/hf/graphs/shapes.py WARM_RULES)
 
 
 def settle_heap() -> None:

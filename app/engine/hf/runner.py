@@ -107,7 +107,6 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         max_images: int = 8,
         prefill_chunk: int = 2048,
         kv_bytes: int = 0,
-        graph_warm: str = "shape",
     ) -> None:
         self.model = model
         self.image_processor = image_processor
@@ -138,7 +137,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         # and reads it after (never while one runs).
         self.step_note = ""
         self.policy = ShapePolicy(max_rows=self.max_rows, canvas=canvas, canvas_step=canvas_step,
-                                  max_prompt_tokens=max_prompt_tokens, max_images=max_images, warm=graph_warm,
+                                  max_prompt_tokens=max_prompt_tokens, max_images=max_images,
                                   sliding_window=int(getattr(self.text_config, "sliding_window", None) or max_prompt_tokens))
         self.graphs: DecoderGraphs | None = None
         self.encoder_graphs: EncoderGraphs | None = None

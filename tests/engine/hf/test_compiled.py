@@ -26,25 +26,6 @@ def logprobs(results):
     return [[slot.label_logprobs for canvas in result.slots for slot in canvas] for result in results]
 
 
-def test_the_variant_warm_up_reads_each_layout_at_one_row_and_at_two(tiny_dir):
-    """GRAPH_WARM=variant's reads before the capture (run here on the CPU, where no graph is
-    captured): the sheet's prompt, then at one row and at two a plain read, prompts past the sliding
-    window, prompts over the sheet's prefix and a two-step read; nothing left behind."""
-    runner = make_tiny_reader(tiny_dir).runner
-    read, batches = runner.read, []
-    runner.read = lambda batch, *rest: (batches.append(list(batch)), read(batch, *rest))[1]
-    assert compiled.warm_up_variants(runner) == 1 + 4 * sum(compiled.VARIANT_ROWS) == len(sum(batches, []))
-    window = runner.policy.sliding_window
-    sheet = batches[0][0].prompt.ids[:256]
-    for rows, (plain, long, over, steps) in zip(compiled.VARIANT_ROWS, (batches[1:5], batches[5:9])):
-        assert len(plain) == len(long) == len(over) == len(steps) == rows
-        assert all(len(spec.prompt.ids) > window for spec in long)
-        assert all(spec.prompt.ids[:256] == sheet for spec in over)
-        assert not any(spec.prompt.ids[:64] == sheet[:64] for spec in plain + long + steps)
-        assert all(spec.steps == 2 for spec in steps)
-    assert len(runner.prompts) == 0 and len(runner.prefixes) == 0
-
-
 @torch.no_grad()
 def test_the_split_layers_read_what_the_library_layers_read(tiny_dir, tokenizer):
     from app.engine.hf import layers

@@ -36,7 +36,7 @@ def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torc
     it the captures of new shapes failed on the H200 (a compiled piece's first call of a shape
     copies from the host), and one failed capture left the pool recording, failing every capture
     after it (docs/benchmarks.md). The graphs' owners ask `GraphCache.first_run`: once per value of
-    the shape policy's `decoder_pieces` / `encoder_pieces` (GRAPH_WARM's rule), not once per key.
+    the shape policy's `decoder_pieces` / `encoder_pieces`, not once per key.
 
     Unlike `torch.cuda.graph`, nothing is freed before each capture (its `empty_cache` returned the
     warm run's memory to the device, only for the next warm run to ask for it again); the start-up
@@ -70,8 +70,8 @@ class GraphCache(Generic[K, G]):
     """Graphs of one kind (`name`: "decoder", "encoder", "vision") by key. `build(key)` makes one
     (capturing it where the kind captures). Counts go into `stats` (the runner's counters, which
     /metrics exports): `<name>_graphs_built`, `<name>_graph_fallbacks`, and the milliseconds building took.
-    `pieces(key)` says what a key's run before capture stands for (the shape policy's rule,
-    GRAPH_WARM); without it every key runs first."""
+    `pieces(key)` says what a key's run before capture stands for (the shape policy's rule);
+    without it every key runs first."""
 
     def __init__(self, name: str, build: Callable[[K], G], stats: Counter[str],
                  pieces: Callable[[K], Hashable] | None = None) -> None:

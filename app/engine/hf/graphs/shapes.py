@@ -44,16 +44,12 @@ DecoderKey = tuple[int, int, int, int, bool]
 EncoderKey = tuple[int, int, int]
 # What a capture's run before recording stands for (`ShapePolicy.decoder_pieces` /
 # `encoder_pieces`): keys that map to the same value share one run, and only the first of them is
-# run before it is recorded (app/engine/hf/graphs/cache.py `capture`). GRAPH_WARM picks the rule:
-# - "shape": the shape the compiled pieces see (rows, tokens a row, and for the decoder whether it
-#   is self-conditioned, for the encoder whether it runs over a prefix), so keys that differ only
-#   in the KV length attention reads share it. On the H200 the 204 decoder graphs captured with 32
-#   runs and none failed; an encoder pass over a prefix needs a run of its own (recorded after only
-#   its shape's plain pass, the first one of several rows failed).
-# - "variant": the compiled variant (one row or several; self-conditioned; over a prefix, or past
-#   the sliding window), after the start-up's reads have made each variant once
-#   (app/engine/hf/compiled.py `warm_up_variants`). Not yet measured on a GPU (docs/design.md §4.8).
-WARM_RULES = ("shape", "variant")
+# run before it is recorded (app/engine/hf/graphs/cache.py `capture`): the shape the compiled
+# pieces see (rows, tokens a row, and for the decoder whether it is self-conditioned, for the
+# encoder whether it runs over a prefix), so keys that differ only in the KV length attention reads
+# share it. On the H200 the 204 decoder graphs captured with 32 runs and none failed; an encoder
+# pass over a prefix needs a run of its own (recorded after only its shape's plain pass, the first
+# one of several rows failed). One run per compiled variant instead failed (docs/design.md §4.8).
 Pieces = tuple[int, int, bool]
 
 
@@ -91,7 +87,6 @@ class ShapePolicy:
     eager_tokens: int = EAGER_TOKENS
     conditioned_rows: int = 1
     max_images: int = 8
-    warm: str = "shape"  # GRAPH_WARM: WARM_RULES
     # The buckets themselves (the module's constants; a test with the tiny model's 64-token window
     # gives smaller ones).
     encoder_rows: tuple[int, ...] = ROW_BUCKETS
@@ -229,20 +224,13 @@ class ShapePolicy:
     # ------------------------------------------------------------------ the runs before capture
 
     def decoder_pieces(self, key: DecoderKey) -> Pieces:
-        """What a decoder key's run before capture stands for (WARM_RULES): (rows, canvas width,
-        self-conditioned), or under "variant" (one row or several, 0, self-conditioned)."""
+        """What a decoder key's run before capture stands for: (rows, canvas width, self-conditioned)."""
         rows, width, _, _, conditioned = key
-        if self.warm == "variant":
-            return min(rows, 2), 0, conditioned
         return rows, width, conditioned
 
     def encoder_pieces(self, key: EncoderKey) -> Pieces:
-        """What an encoder key's run before capture stands for (WARM_RULES): (rows, suffix length,
-        over a prefix), or under "variant" (one row or several, past the sliding window, over a
-        prefix)."""
+        """What an encoder key's run before capture stands for: (rows, suffix length, over a prefix)."""
         rows, length, slots = key
-        if self.warm == "variant":
-            return min(rows, 2), int(length > self.sliding_window), slots > 0
         return rows, length, slots > 0
 
     # ------------------------------------------------------------------ vision

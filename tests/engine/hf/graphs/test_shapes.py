@@ -13,7 +13,7 @@ import torch
 from app.build import prompt_limit
 from app.config import Settings
 from app.engine.hf.graphs.cache import GraphCache
-from app.engine.hf.graphs.shapes import EAGER_STEP, WARM_RULES, ShapePolicy, bucket_of, doubling
+from app.engine.hf.graphs.shapes import EAGER_STEP, ShapePolicy, bucket_of, doubling
 from tests.conftest import make_tiny_reader
 from tests.engine.hf.test_reader import spec_for
 
@@ -21,8 +21,7 @@ from tests.engine.hf.test_reader import spec_for
 def policy_of(settings: Settings, sliding_window: int = 1024) -> ShapePolicy:
     return ShapePolicy(max_rows=settings.hf.max_batch_rows, canvas=settings.decisions.canvas,
                        canvas_step=settings.decisions.canvas_step, max_prompt_tokens=prompt_limit(settings),
-                       sliding_window=sliding_window, max_images=settings.limits.max_images,
-                       warm=settings.hf.graph_warm)
+                       sliding_window=sliding_window, max_images=settings.limits.max_images)
 
 
 DEFAULT = policy_of(Settings.of())
@@ -41,7 +40,7 @@ def test_the_default_sets_are_bounded():
 
 
 def test_a_capture_runs_the_pass_first_once_per_shape_its_compiled_pieces_see():
-    """GRAPH_WARM=shape (the default): keys that differ only in the KV attention reads (its length,
+    """Keys that differ only in the KV attention reads (its length,
     a prefix's slots) share their pieces' shape, and the start-up runs a pass before recording only
     for the first of them (about a quarter of the captures at the defaults); keys that differ in
     rows, tokens a row, self-conditioning (decoder) or in running over a prefix or not (encoder)
@@ -57,23 +56,6 @@ def test_a_capture_runs_the_pass_first_once_per_shape_its_compiled_pieces_see():
     # Over a prefix the pass needs a run of its own: the H200 failed that capture unwarmed.
     assert encoder_pieces((4, 160, 256)) == encoder_pieces((4, 160, 768)) != encoder_pieces((4, 160, 0))
     assert encoder_pieces((4, 160, 0)) != encoder_pieces((8, 160, 0)) != encoder_pieces((8, 192, 0))
-
-
-def test_graph_warm_variant_runs_a_pass_first_once_per_compiled_variant():
-    """GRAPH_WARM=variant: one row apart from several, and the layout (self-conditioned; over a
-    prefix, past the sliding window), whatever the width, length or KV: a handful of runs for the
-    whole set."""
-    from app.config import GRAPH_WARM_RULES
-
-    policy = policy_of(Settings.of(graph_warm="variant"))
-    assert policy.warm == "variant" and DEFAULT.warm == "shape" and WARM_RULES == GRAPH_WARM_RULES
-    decoder, encoder = policy.decoder_pieces, policy.encoder_pieces
-    assert decoder((2, 16, 256, 256, False)) == decoder((64, 128, 32768, 1024, False)) != decoder((1, 16, 256, 256, False))
-    assert decoder((1, 16, 256, 256, True)) != decoder((1, 16, 256, 256, False))
-    assert encoder((2, 64, 0)) == encoder((32, 192, 0)) != encoder((2, 64, 256)) == encoder((16, 256, 768))
-    assert encoder((2, 1536, 0)) != encoder((2, 1024, 0)) and encoder((1, 64, 0)) != encoder((2, 64, 0))
-    shapes = ({decoder(key) for key in policy.decoder_keys()}, {encoder(key) for key in policy.encoder_keys()})
-    assert len(shapes[0]) <= 4 and len(shapes[1]) <= 6
 
 
 @pytest.mark.parametrize("settings", [Settings.of(), Settings.of(canvas=96, max_batch_rows=48),
