@@ -31,6 +31,11 @@ PREFIX_BUCKETS = (256, 512, 768)
 EAGER_TOKENS = 8192
 EAGER_STEP = 8
 
+# Decoder rows: the powers of two and the steps between them from 8 up (a pass of 45 tickets at 64
+# clients padded to 64 rows, 8.3 walk frames to 16: a graphed pass costs about 1.15 ms a row on the
+# H200), up to MAX_BATCH_ROWS, which is always a bucket.
+DECODER_ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
 # Decoder KV lengths double from the first bucket: the decoder's cost is the canvas's tokens through
 # the experts, and attention over padded prompt slots that the mask hides is cheap beside it.
 FIRST_KV_BUCKET = 256
@@ -100,7 +105,8 @@ class ShapePolicy:
 
     @property
     def row_buckets(self) -> tuple[int, ...]:
-        return doubling(1, self.max_rows)
+        """DECODER_ROW_BUCKETS under MAX_BATCH_ROWS, then MAX_BATCH_ROWS itself."""
+        return (*(rows for rows in DECODER_ROW_BUCKETS if rows < self.max_rows), self.max_rows)
 
     @property
     def width_buckets(self) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ def test_doubling_and_buckets():
 def test_the_default_sets_are_bounded():
     decoder, encoder = DEFAULT.decoder_keys(), DEFAULT.encoder_keys()
     assert len(decoder) == len(set(decoder)) and len(encoder) == len(set(encoder))
-    assert len(decoder) <= 200 and len(encoder) <= 260  # captured in seconds each kind on an H200
+    assert len(decoder) <= 260 and len(encoder) <= 260  # captured in under a minute each kind on an H200
     assert DEFAULT.width_buckets == (16, 32, 64, 128) and DEFAULT.kv_buckets[-1] >= 32768
 
 
@@ -81,6 +81,15 @@ def test_every_decoder_shape_maps_to_a_captured_key_that_holds_it_or_to_the_fall
     most = 32 if settings.decisions.canvas <= 128 else 16
     assert all(policy.decoder_key(rows, settings.decisions.canvas, 1024, False) is not None for rows in range(1, most + 1))
     assert policy.decoder_key(1, settings.decisions.canvas, 4096, True) is not None  # a thought's passes
+
+
+def test_decoder_rows_step_between_the_powers_of_two_up_to_max_batch_rows():
+    """45 tickets pad to 48 rows, not 64; 9 walk frames to 12; MAX_BATCH_ROWS is always a bucket."""
+    assert DEFAULT.row_buckets == (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+    assert DEFAULT.decoder_key(45, 16, 300, False) == (48, 16, 512, 512, False)
+    assert DEFAULT.decoder_key(9, 16, 700, False) == (12, 16, 1024, 1024, False)
+    assert policy_of(Settings.of(max_batch_rows=40)).row_buckets == (1, 2, 4, 8, 12, 16, 24, 32, 40)
+    assert policy_of(Settings.of(max_batch_rows=1)).row_buckets == (1,)
 
 
 def test_past_the_caps_the_decoder_has_no_key():
