@@ -90,6 +90,16 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings.from_env(**overrides)
 
 
+def use_switch_interval(settings: Settings) -> float:
+    """Give the interpreter SWITCH_INTERVAL_MS; returns the interval it had (seconds). Every torch op
+    releases the interpreter, and a thread that wants it back waits up to the interval while another
+    thread runs Python: an eager pass of ~4,000 ops took 1.9-2.3 s on the H200 beside the event
+    loop's work on a heavy burst, where it takes ~100 ms alone (docs/design.md §5.2)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(settings.runtime.switch_interval_ms / 1000)
+    return before
+
+
 def serve(settings: Settings, load: Callable[[StartupProgress], Reader] | None = None, *,
           extra_routes: list | None = None) -> int:
     """Run the server until it is stopped; the exit status. The listener is up at once; `load`
@@ -126,7 +136,11 @@ def serve(settings: Settings, load: Callable[[StartupProgress], Reader] | None =
         from app.tls import ensure_certificate
 
         ssl = ensure_certificate(Path(settings.server.cert_dir))
-    status = asyncio.run(serve_app(app, settings, ssl))
+    interval = use_switch_interval(settings)
+    try:
+        status = asyncio.run(serve_app(app, settings, ssl))
+    finally:
+        sys.setswitchinterval(interval)  # a caller that serves in-process (tests) gets its own back
     if isinstance(starting.failure, (CheckpointError, CalibrationError)):
         print(f"djev: {starting.failure}", file=sys.stderr)
         return 2

@@ -57,11 +57,18 @@ class RuntimeSettings:
         "CACHE_DIR", "compiler caches kept across restarts: TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and "
         "VLLM_CACHE_ROOT become its inductor, triton and vllm folders where the environment sets none; "
         "empty = the tools' defaults"))
+    switch_interval_ms: float = field(default=0.2, metadata=_meta(
+        "SWITCH_INTERVAL_MS", "ms a Python thread keeps the interpreter while another waits for it "
+        "(sys.setswitchinterval; Python's own is 5): the engine thread lets it go at every torch op, so "
+        "under a busy event loop a long interval stalls its eager passes (docs/design.md §5.2)"))
 
     def problems(self) -> list[str]:
+        problems = []
         if self.engine not in ENGINES:
-            return [f"ENGINE must be one of {', '.join(ENGINES)}, not {self.engine!r}"]
-        return []
+            problems.append(f"ENGINE must be one of {', '.join(ENGINES)}, not {self.engine!r}")
+        if not 0.01 <= self.switch_interval_ms <= 100:
+            problems.append(f"SWITCH_INTERVAL_MS must be from 0.01 to 100, not {self.switch_interval_ms}")
+        return problems
 
 
 @dataclass(frozen=True)

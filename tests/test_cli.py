@@ -148,6 +148,24 @@ def test_cache_dir_points_the_compiler_caches_into_it_unless_the_environment_doe
     assert use_cache_dir(Settings.of(cache_dir="")) == {}
 
 
+def test_serve_runs_with_the_switch_interval_and_gives_the_old_one_back(monkeypatch):
+    """SWITCH_INTERVAL_MS holds while the server runs (the load runs inside it), and a caller that
+    serves in its own process gets its interval back."""
+    import sys
+    import threading
+
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+
+    def load(progress):
+        seen.append(sys.getswitchinterval())
+        raise OSError("only the interval was wanted")
+
+    status, _, _ = serve_in_this_thread(load, monkeypatch, threading.Event(), switch_interval_ms=0.5)
+    assert status == 1 and seen == [0.0005]
+    assert sys.getswitchinterval() == before
+
+
 def test_serve_sets_the_cache_variables_before_the_load_runs(tmp_path, monkeypatch):
     import os
     import threading

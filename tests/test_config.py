@@ -40,6 +40,7 @@ def test_flags_override_the_environment(monkeypatch):
     ({"STRUCTURED_PORT": "eighty"}, "STRUCTURED_PORT must be an integer"),
     ({"ISOLATE": "maybe"}, "ISOLATE must be 1 or 0"),
     ({"ENGINE": "magic"}, "ENGINE must be one of hf"),
+    ({"SWITCH_INTERVAL_MS": "0"}, "SWITCH_INTERVAL_MS must be from 0.01 to 100, not 0.0"),
     ({"CONFIDENCE": "x"}, "CONFIDENCE must be djev or jev"),
     ({"THOUGHT_PLACEMENT": "x"}, "THOUGHT_PLACEMENT"),
     ({"CANVAS": "8"}, "CANVAS must be 16 to 4096"),
