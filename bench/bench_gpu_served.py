@@ -39,6 +39,7 @@ $OUT/camera_curve.png (row e), and the server's log $OUT/bench_gpu_served.server
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -354,6 +355,7 @@ class Row:
     clients: int
     request: str = ""  # rest: sheets, ticket, walk
     twin: str = ""  # the in-process workload, "" for none
+    switch_ms: float | None = None  # the server's switch interval for this row (--switch-intervals)
 
 
 def plan(args: argparse.Namespace) -> list[Row]:
@@ -364,7 +366,11 @@ def plan(args: argparse.Namespace) -> list[Row]:
     rows += [Row("e", "cameras at 2 fps (/v1/stream)", "camera_open", n, twin="cameras_open") for n in args.open_cameras]
     if args.steady:
         rows.append(Row("f", "steady ticket client beside heavy requests", "steady", 1 + len(HEAVY_KINDS)))
-    return rows
+    if not args.switch_intervals:
+        return rows
+    # Each row once per interval, one after the other, so the pair meets the same host and caches.
+    return [dataclasses.replace(row, name=f"{row.name}, switch interval {ms:g} ms", switch_ms=ms)
+            for row in rows for ms in args.switch_intervals]
 
 
 def shares(total: int, parts: int) -> list[int]:
@@ -429,6 +435,13 @@ def twin(server: Server, api_key: str, row: Row, clients: int, seconds: float, n
 def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, pool: ClientPool,
             api_key: str) -> dict[str, Any]:
     out: dict[str, Any] = {"row": row.key, "name": row.name, "kind": row.kind, "clients": row.clients}
+    if row.switch_ms is not None:
+        import httpx
+
+        response = httpx.post(server.url + "/bench/switch-interval", headers=auth_headers(api_key),
+                              json={"ms": row.switch_ms}, timeout=10)
+        response.raise_for_status()
+        out["switch_ms"] = row.switch_ms
     before = scrape(server)
     tallies = pool.run(worker_specs(row, number, args, server.url, api_key), args.seconds + 60.0)
     after = scrape(server)
@@ -691,6 +704,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--walk-clients", default=None, help="row (c) clients (default 16)")
     parser.add_argument("--closed-cameras", default=None, help="row (d) cameras (default 8,32; --quick 8)")
     parser.add_argument("--open-cameras", default=None, help="row (e) cameras (default 8,16,32,64; --quick 8,32)")
+    parser.add_argument("--switch-intervals", default="", help="run every row once per server switch interval "
+                        "in ms (e.g. 5,0.2: Python's default beside SWITCH_INTERVAL_MS's), one after the other")
     parser.add_argument("--no-steady", dest="steady", action="store_false", help="skip row (f)")
     parser.add_argument("--restart", action="store_true",
                         help="after the rows, stop the server and time a second start over the compile caches the "
@@ -735,6 +750,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.walk_clients = levels(args.walk_clients or "16")
     args.closed_cameras = levels(args.closed_cameras or ("8" if quick else "8,32"))
     args.open_cameras = levels(args.open_cameras or ("8,32" if quick else "8,16,32,64"))
+    args.switch_intervals = [float(part) for part in args.switch_intervals.split(",") if part.strip()]
+    if any(not 0.01 <= ms <= 100 for ms in args.switch_intervals):
+        parser.error("--switch-intervals: each from 0.01 to 100 ms")
     args.heavy_tokens = args.heavy_tokens or (1500 if args.tiny else 26000)
     args.heavy_think = args.heavy_think or (64 if args.tiny else 4096)
     args.deadline = args.deadline or (228.0 if quick else 520.0)

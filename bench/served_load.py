@@ -22,6 +22,7 @@ import io
 import json
 import math
 import random
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -696,7 +697,8 @@ class StageTimer:
 def bench_routes() -> list[Any]:
     """`POST /bench/inprocess` {workload, clients, seconds, tag}: the in-process twin's tally, as JSON.
     `POST /bench/stages` (the same body): the twin run with the hf runner's stages timed (`StageTimer`),
-    its tally and the stages' times."""
+    its tally and the stages' times. `POST /bench/switch-interval` {ms}: the server process's switch
+    interval from now on (`sys.setswitchinterval`)."""
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
@@ -715,4 +717,10 @@ def bench_routes() -> list[Any]:
             tally = await run_inprocess(services, spec)
         return JSONResponse({"tally": tally, "stages": timer.summary(float(spec["seconds"]))})
 
-    return [Route("/bench/inprocess", inprocess, methods=["POST"]), Route("/bench/stages", stages, methods=["POST"])]
+    async def switch_interval(request: Request) -> JSONResponse:
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(float((await request.json())["ms"]) / 1000)
+        return JSONResponse({"before_ms": before * 1000, "ms": sys.getswitchinterval() * 1000})
+
+    return [Route("/bench/inprocess", inprocess, methods=["POST"]), Route("/bench/stages", stages, methods=["POST"]),
+            Route("/bench/switch-interval", switch_interval, methods=["POST"])]
