@@ -78,20 +78,16 @@ def compile_layers(model: DiffusionGemmaForBlockDiffusion, backend: str = "induc
 # The warm-up's batch sizes: the first read compiles each piece for its shapes, the second once more
 # as dynamic, which then serves every other size.
 WARM_UP_ROWS = (1, 2)
-# The warm-up's two-step reads (the eager self-conditioned decoder pass: the conditioned graphs
-# hold one row): this many canvases at the canvas width, then this many (at most MAX_BATCH_ROWS) of
-# 16 tokens, a heavy `samples 32` request's shape. Two shapes, so the pass compiles once more as
-# dynamic here, not on the first heavy request.
+# The canvases of the warm-up's multi-step read (more than the self-conditioned graphs' one row).
 WARM_UP_CANVASES = 4
-WARM_UP_HEAVY_CANVASES = 32
 
 
 def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
     """Compile before the first request does: one text read at each of WARM_UP_ROWS batch sizes, through the runner's
     own path, CUDA graphs included, one long prompt encoded in chunks (their shapes compile here, not
     on the first long state: 6.3 s on an H200, measured), one read of an image when the runner reads images (the
-    vision layers compile there, not on a walker's first frame), and two-step reads of several canvases at two
-    shapes (the eager self-conditioned decoder pass). Returns the seconds it took (about
+    vision layers compile there, not on a walker's first frame), and a two-step read of several canvases (the eager
+    self-conditioned decoder pass). Returns the seconds it took (about
     50 s on an H200, measured); the prompt KV and vision features these reads leave in the LRUs are
     dropped."""
     import time
@@ -107,12 +103,12 @@ def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
         _read_all(runner, [_read_of(runner, tuple(base + i % 997 for i in range(2 * chunk + 64)), width)])
     if getattr(runner, "image_processor", None) is not None and vision_layers(runner.model):
         _read_all(runner, [_read_of(runner, sample_image_prompt(runner), width)])
-    # Two-step reads of several canvases: the second step is the eager self-conditioned decoder pass,
-    # a path none of the reads above takes. With one such read (4 canvases) in the warm-up, the first
-    # 32-canvas one after ready still spent 1.8-1.9 s queueing its second pass on the H200, host
-    # time with no allocation to speak of (docs/benchmarks.md): a first use at a second shape.
-    for canvases, read_width in ((WARM_UP_CANVASES, width), (min(WARM_UP_HEAVY_CANVASES, runner.max_rows), 16)):
-        _read_all(runner, [_read_of(runner, tuple(range(base, base + 64)), read_width, canvases=canvases, steps=2)])
+    # A multi-step read of several canvases: its second step is the eager self-conditioned decoder
+    # pass (the conditioned graphs hold one row), a path none of the reads above takes. (The one
+    # turn of 1.6-2.3 s such a pass took beside the served bench's heavy burst was not a first use:
+    # it came back with its exact shape warmed here, and went with a shorter interpreter switch
+    # interval, SWITCH_INTERVAL_MS; docs/design.md §5.2.)
+    _read_all(runner, [_read_of(runner, tuple(range(base, base + 64)), width, canvases=WARM_UP_CANVASES, steps=2)])
     runner.clear_caches()
     runner.stats.clear()  # the counters (and /metrics) start at the first request
     return time.perf_counter() - started
