@@ -7,13 +7,13 @@ disconnect end a decision the same way: the task awaiting it is cancelled.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
-import anyio
 from starlette.responses import Response
 from starlette.types import Receive
 
@@ -34,32 +34,42 @@ T = TypeVar("T")
 
 async def guarded(svc: Services, work: Callable[[], Awaitable[T]], receive: Receive | None = None) -> T:
     """`await work()` under REQUEST_TIMEOUT (TimeoutError past it: a 504), cancelled when `receive`
-    (the request's ASGI channel, its body already read) reports the client gone (ClientGone)."""
-    outcome: list[T] = []
-    gone = False
+    (the request's ASGI channel, its body already read) reports the client gone (ClientGone).
 
-    async def watch(scope: anyio.CancelScope) -> None:
+    Plain asyncio: a watcher task cancels the request's own task on a disconnect. (An anyio task
+    group and cancel scope did the same at ~3x the cost, ~0.1 ms a request on the CPU box; every
+    request pays it on the event loop: docs/benchmarks.md, bench/bench_overhead.py.)"""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+    watcher: asyncio.Task[None] | None = None
+
+    async def watch() -> None:
         nonlocal gone
-        assert receive is not None
+        assert receive is not None and task is not None
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 gone = True
-                scope.cancel()
+                task.cancel()
                 return
 
-    with anyio.fail_after(svc.settings.limits.request_timeout):
-        try:
-            async with anyio.create_task_group() as group:
-                if receive is not None:
-                    group.start_soon(watch, group.cancel_scope)
-                outcome.append(await work())
-                group.cancel_scope.cancel()
-        except BaseExceptionGroup as group_error:
-            raise unwrap(group_error) from None
-    if gone or not outcome:
+    if receive is not None:
+        watcher = asyncio.create_task(watch(), name="djev-disconnect-watch")
+    try:
+        async with asyncio.timeout(svc.settings.limits.request_timeout):
+            outcome = await work()
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:  # our own cancel, and no other pending: the client left
+            raise ClientGone() from None
+        raise
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+    if gone:  # the client left as the work ended: take back the cancel it has not yet seen
+        task.uncancel()
         raise ClientGone()
-    return outcome[0]
+    return outcome
 
 
 def unwrap(error: BaseException) -> BaseException:
