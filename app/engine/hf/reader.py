@@ -136,6 +136,7 @@ def compile_counts(runner: DiffusionRunner) -> tuple[int, int, int]:
     return captures, compiled, triton
 
 
+TURN_KINDS = ("read", "heavy", "generation")  # a read batch, a heavy read's step, a generation's pass
 AFTER_READY = ("captures_after_ready", "recompiles_after_ready", "triton_compiles_after_ready")
 
 
@@ -271,7 +272,7 @@ class HFReader:
         gc.callbacks.append(self._collector)
         self._compiled = compile_counts(self.runner)
         self._allocations = self.runner.allocator_counts()
-        for name in AFTER_READY:
+        for name in (*AFTER_READY, *(f"{kind}_turn_{unit}" for kind in TURN_KINDS for unit in ("count", "ms"))):
             self.runner.stats[name] += 0  # exported from the first scrape on, at 0
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="djev-engine",
@@ -541,7 +542,7 @@ class HFReader:
         images: dict[tuple[str, ...], ProcessedImages | EngineInputError] = {}
         for job in batch:
             images.update(self._release(job))
-        ok, results = await self._engine_turn(loop, batch, "a read batch", self.runner.read, specs, images)
+        ok, results = await self._engine_turn(loop, batch, "read", "a read batch", self.runner.read, specs, images)
         if not ok:
             return
         assert results is not None
@@ -557,7 +558,8 @@ class HFReader:
         if job.program is None:
             job.program = self.runner.read_steps(job.specs, self._release(job))
         job.turns += 1
-        ok, step = await self._engine_turn(loop, [job], f"step {job.turns} of a heavy read", advance_read, job.program)
+        ok, step = await self._engine_turn(loop, [job], "heavy", f"step {job.turns} of a heavy read", advance_read,
+                                           job.program)
         if not ok or step is None:
             job.program = None
             return
@@ -574,7 +576,8 @@ class HFReader:
 
     async def _generation_turn(self, loop: asyncio.AbstractEventLoop, job: _GenerateJob) -> None:
         """One model pass of a generation (its prompt encoding is the first), then back in line."""
-        ok, chunk = await self._engine_turn(loop, [job], "a generation", self._generation_pass, job, self._release(job))
+        ok, chunk = await self._engine_turn(loop, [job], "generation", "a generation", self._generation_pass, job,
+                                            self._release(job))
         if not ok:
             return
         if chunk is not None:
@@ -590,11 +593,13 @@ class HFReader:
             return None
         return self.runner.step_generation(job.state)
 
-    async def _engine_turn(self, loop: asyncio.AbstractEventLoop, jobs: Sequence[_Job], work: str,
+    async def _engine_turn(self, loop: asyncio.AbstractEventLoop, jobs: Sequence[_Job], kind: str, work: str,
                            call: Callable[..., Value], *args: object) -> tuple[bool, Value | None]:
         """`call(*args)` on the engine thread, one turn of `work`: (True, its value), or (False,
         None) once every job of `jobs` has been failed as the failure says (the engine stopping, the
-        input, the model: `_engine_failure`). Counts what the turn built and its busy time."""
+        input, the model: `_engine_failure`). Counts what the turn built and its busy time, and the
+        turn under its `kind` (TURN_KINDS: `<kind>_turn_count`, `<kind>_turn_ms`), so a scrape says
+        how long each kind of turn takes on average, the bound a waiting read's latency depends on."""
         started = time.perf_counter()
         self.runner.step_note = ""  # (turns never overlap: the engine thread is idle here)
         try:
@@ -614,6 +619,8 @@ class HFReader:
             return False, None
         seconds = time.perf_counter() - started
         self._settle_if_built(seconds)
+        self.runner.stats[f"{kind}_turn_count"] += 1
+        self.runner.stats[f"{kind}_turn_ms"] += round(seconds * 1000)
         allocations, before = self.runner.allocator_counts(), self._allocations
         self._allocations = allocations  # one read a turn: the engine thread alone allocates, and only in turns
         device_allocs, retries = allocations[0] - before[0], allocations[1] - before[1]

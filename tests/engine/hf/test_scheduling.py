@@ -366,6 +366,12 @@ def test_a_steady_client_waits_at_most_one_step_of_one_heavy_request_beside_them
     steps = [tag for kind, tag in runner.log if kind == "step"]
     assert steps.count(1) == 26 + 1 and steps.count(2) == 4 and steps.count(3) == 8  # 26 chunks, then its pass
     assert runner.stats["heavy_turns"] == 27 + 4 + 8
+    # every turn is counted under its kind, with its time (the average turn is what a read waits)
+    assert runner.stats["heavy_turn_count"] == 27 + 4 + 8
+    assert runner.stats["read_turn_count"] == 15  # the steady client's reads, one batch each
+    assert runner.stats["generation_turn_count"] == 60 + 1  # its prompt's encoding, then a pass a turn
+    assert runner.stats["heavy_turn_ms"] >= 4 * (27 + 4 + 8) * 0.9  # the fake's passes take 4 ms
+    assert runner.stats["read_turn_ms"] >= 4 * 15 * 0.9
 
 
 def test_a_heavy_read_whose_caller_leaves_stops_at_its_next_step():
