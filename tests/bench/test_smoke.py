@@ -103,3 +103,16 @@ def test_probe_gpu_turns_tiny_runs(tmp_path):
     for mode in ("waits (as built)", "queued (no wait)"):
         assert data[mode]["turns"] >= 4 and len(data[mode]["turns_ms"]) == data[mode]["turns"]  # 900 tokens in 256s
 
+
+
+@pytest.mark.timeout(300)
+def test_bench_overhead_runs(tmp_path):
+    """The server-overhead bench end to end: its server child, its client processes, its table."""
+    out = tmp_path / "overhead.json"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "bench_overhead.py"), "--clients", "2", "--processes", "1",
+         "--seconds", "1.5", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["clients"] == 2 and row["answered"] > 0 and row["loop_ms_per_request"] > 0
+    assert "event loop CPU / request" in completed.stdout

@@ -1,0 +1,237 @@
+"""The server's own cost per request, the engine left out (CPU box or any machine).
+
+`djev serve`'s app (create_app, the front door, the metrics, the request logs at INFO, the switch
+interval) over an instant reader that answers every read at once with fixed log-probabilities, so
+all that is measured is what the event loop does for a request: parse, plan, prompt, admission,
+the deadline and disconnect watch, the answer, the log line. Clients in other processes send the
+README's ticket, each with a state of its own, closed loop.
+
+The figure is the event loop's CPU time per answered request (`time.thread_time` on the server's
+loop thread over the timed window, divided by the requests it logged). It is what bounds a
+lock-step batch on the GPU: 32 clients' next requests are parsed and planned one after another
+while the engine waits for them (docs/design.md §5.2). It depends far less on what else runs on
+the machine than requests a second do, since the clients share its cores.
+
+    python bench/bench_overhead.py                      # 32 clients, 8 s
+    python bench/bench_overhead.py --clients 1,32 --seconds 10 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import multiprocessing
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (  # noqa: E402
+    header,
+    latency_summary,
+    machine,
+    markdown_table,
+    tiny_checkpoint,
+    tiny_reader,
+    write_json,
+)
+
+LABEL_LOGPROB = -0.5  # every label's log-probability before renormalising (all equal: the first wins)
+
+
+class InstantReader:
+    """A Reader whose reads cost nothing: every label of every slot gets the same log-probability."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from app.engine.base import ReaderInfo
+
+        self._tokenizer = tokenizer
+        self._info = ReaderInfo(model="instant", engine="instant", device="cpu", tiny=True, canvas_length=128)
+        self.reads = 0
+
+    @property
+    def info(self):
+        return self._info
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    @property
+    def degraded(self) -> None:
+        return None
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def read(self, specs: Sequence[Any]) -> list[Any]:
+        from app.engine.base import ReadResult, SlotRead
+
+        self.reads += len(specs)
+        out = []
+        for spec in specs:
+            slots = tuple((SlotRead((LABEL_LOGPROB,) * len(ids), ids[0]),) for ids in spec.label_ids)
+            canvases = tuple(tuple(slot[0] for slot in slots) for _ in spec.canvases)
+            out.append(ReadResult(slots=canvases, prompt_tokens=len(spec.prompt.ids)))
+        return out
+
+    async def generate(self, spec: Any) -> Any:
+        from app.engine.base import GenerateResult
+
+        return GenerateResult(ids=(), stopped=True, prompt_tokens=len(spec.prompt.ids))
+
+
+class LogCounter:
+    """A logging handler that counts the decisions' summary lines (one per answered request)."""
+
+    def __init__(self) -> None:
+        import logging
+
+        class Handler(logging.Handler):
+            count = 0
+
+            def emit(self, record: logging.LogRecord) -> None:
+                Handler.count += 1
+
+        self.handler = Handler()
+        logging.getLogger("djev.decisions").addHandler(self.handler)
+
+    @property
+    def count(self) -> int:
+        return type(self.handler).count
+
+
+def server_main(port: int, ready: Any, go: Any, results: Any, seconds: float) -> None:
+    """The server process: the app as `djev serve` configures it, timed over one window."""
+    from app.cli import use_switch_interval
+    from app.config import Settings
+    from app.logs import configure_logging
+    from app.server import create_app, serve_app
+
+    settings = Settings.of(port=port, host="127.0.0.1")
+    configure_logging(settings, open(os.devnull, "w"))  # INFO: a line a request, formatted, as served
+    use_switch_interval(settings)
+    app = create_app(settings, InstantReader(tiny_reader(tiny_checkpoint()).tokenizer))
+    counter = LogCounter()
+
+    async def main() -> None:
+        serving = asyncio.create_task(serve_app(app, settings))
+        while not serving.done():
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        ready.set()
+        while not go.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # the clients' connections are up
+        first, cpu, wall = counter.count, time.thread_time(), time.perf_counter()
+        await asyncio.sleep(seconds)
+        cpu, wall, answered = time.thread_time() - cpu, time.perf_counter() - wall, counter.count - first
+        results.put({"answered": answered, "loop_cpu_s": cpu, "wall_s": wall})
+        serving.cancel()
+
+    try:
+        asyncio.run(main())
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        pass
+
+
+def client_main(url: str, clients: int, seconds: float, seed: int, out: Any) -> None:
+    """A client process: `clients` closed-loop ticket clients for `seconds` (plus the server's lead)."""
+    import httpx
+
+    from bench.served_load import ticket_request
+
+    async def one(index: int) -> list[float]:
+        rng = random.Random(seed * 1000 + index)
+        latencies: list[float] = []
+        end = time.monotonic() + seconds
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            while time.monotonic() < end:
+                started = time.perf_counter()
+                try:
+                    response = await client.post("/v1/systemone", json=ticket_request(rng, f"{seed}.{index}.{len(latencies)}"))
+                except httpx.HTTPError:
+                    break
+                if response.status_code != 200:
+                    raise SystemExit(f"HTTP {response.status_code}: {response.text[:300]}")
+                latencies.append(time.perf_counter() - started)
+        return latencies
+
+    async def main() -> list[float]:
+        return [x for latencies in await asyncio.gather(*(one(i) for i in range(clients))) for x in latencies]
+
+    out.put(asyncio.run(main()))
+
+
+def level(clients: int, processes: int, seconds: float) -> dict[str, Any]:
+    from app.server import free_port
+
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    ready, go, results, latencies = context.Event(), context.Event(), context.Queue(), context.Queue()
+    server = context.Process(target=server_main, args=(port, ready, go, results, seconds), daemon=True)
+    server.start()
+    if not ready.wait(120):
+        server.kill()
+        raise SystemExit("the server did not come up")
+    shares = [clients // processes + (1 if i < clients % processes else 0) for i in range(processes)]
+    workers = [context.Process(target=client_main, args=(f"http://127.0.0.1:{port}", share, seconds + 1.0, i, latencies),
+                               daemon=True) for i, share in enumerate(shares) if share]
+    for worker in workers:
+        worker.start()
+    go.set()
+    window = results.get(timeout=seconds + 60)
+    samples = [x for _ in workers for x in latencies.get(timeout=60)]
+    for worker in workers:
+        worker.join(timeout=30)
+    server.join(timeout=30)
+    if server.is_alive():
+        server.kill()
+    answered = window["answered"]
+    return {
+        "clients": clients,
+        "answered": answered,
+        "per_s": answered / window["wall_s"],
+        "loop_ms_per_request": 1000 * window["loop_cpu_s"] / answered if answered else math.nan,
+        "loop_busy": window["loop_cpu_s"] / window["wall_s"],
+        "latency": latency_summary(samples),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", default="32", help="closed-loop clients per level, e.g. 1,32")
+    parser.add_argument("--processes", type=int, default=2, help="client processes")
+    parser.add_argument("--seconds", type=float, default=8.0, help="the timed window of a level")
+    parser.add_argument("--json", default="", help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    rows = [level(int(n), args.processes, args.seconds) for n in args.clients.split(",") if n.strip()]
+    info = machine()
+    print(header("bench_overhead: the server's own cost per request (instant engine)", info))
+    print(markdown_table(
+        ["clients", "answered /s", "event loop CPU / request (ms)", "loop busy", "p50 (ms)", "p95 (ms)"],
+        [[r["clients"], f"{r['per_s']:.0f}", f"{r['loop_ms_per_request']:.3f}", f"{100 * r['loop_busy']:.0f} %",
+          f"{r['latency']['p50_ms']:.1f}", f"{r['latency']['p95_ms']:.1f}"] for r in rows]))
+    if args.json:
+        write_json(args.json, {"machine": info, "args": vars(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
