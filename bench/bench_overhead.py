@@ -13,7 +13,7 @@ while the engine waits for them (docs/design.md §5.2). It depends far less on w
 the machine than requests a second do, since the clients share its cores.
 
     python bench/bench_overhead.py                      # 32 clients, 8 s
-    python bench/bench_overhead.py --clients 1,32 --seconds 10 --json out.json
+    python bench/bench_overhead.py --clients 1,32 --seconds 10 --json "$OUT/overhead.json"
 """
 
 from __future__ import annotations
