@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -68,7 +68,8 @@ COUNTER_WORDS = ("capture", "compile", "fallback", "recompile", "graph", "retrie
 # The engine's work in a row (its passes, their rows, the prompts encoded over a prefix, its busy time):
 # kept apart from the counters above, in each row's `engine` and the report's engine table.
 WORK_STATS = ("decoder_passes", "decoder_rows", "encoder_passes", "vision_passes", "prefix_hits",
-              "image_prefix_hits", "kv_hits", "kv_misses", "busy_ms")
+              "image_prefix_hits", "kv_hits", "kv_misses", "busy_ms",
+              *(f"{kind}_turn_{unit}" for kind in ("read", "heavy", "generation") for unit in ("count", "ms")))
 ROW_OVERHEAD_S = 6.0  # frames, the end's grace, the scrapes: what a row costs beyond its seconds, for the deadline
 now = time.monotonic
 
@@ -594,7 +595,8 @@ def report(results: dict[str, Any]) -> str:
     if work:
         lines += ["the engine's work in each served row (/metrics deltas; rows a pass = decoder rows / passes):", "",
                   markdown_table(["row", "decoder passes", "rows a pass", "encoder passes", "vision passes",
-                                  "over a prefix (sheet / frame)", "busy share"], work), ""]
+                                  "over a prefix (sheet / frame)", "busy share",
+                                  "mean turn ms (read / heavy / generation)"], work), ""]
     if results.get("stages"):
         lines += stages_table(results["stages"])
     if results["notes"]:
@@ -612,7 +614,14 @@ def engine_row(point: dict[str, Any], row_seconds: float) -> list[Any]:
     per_pass = stat("decoder_rows") / passes if passes else float("nan")
     return [f"({point['row']}) {point['clients']}", f"{passes:g}", fmt(per_pass, 1),
             f"{stat('encoder_passes'):g}", f"{stat('vision_passes'):g}",
-            f"{stat('prefix_hits'):g} / {stat('image_prefix_hits'):g}", fmt(busy, 2)]
+            f"{stat('prefix_hits'):g} / {stat('image_prefix_hits'):g}", fmt(busy, 2),
+            " / ".join(mean_turn(stat, kind) for kind in ("read", "heavy", "generation"))]
+
+
+def mean_turn(stat: Callable[[str], float], kind: str) -> str:
+    """The mean engine turn of `kind` over a row, from the reader's `<kind>_turn_count/_ms` ("-": none)."""
+    count = stat(f"{kind}_turn_count")
+    return fmt(stat(f"{kind}_turn_ms") / count, 0) if count else "-"
 
 
 def counters_cell(moved: dict[str, float] | None) -> str:
