@@ -37,8 +37,8 @@ async def guarded(svc: Services, work: Callable[[], Awaitable[T]], receive: Rece
     (the request's ASGI channel, its body already read) reports the client gone (ClientGone).
 
     Plain asyncio: a watcher task cancels the request's own task on a disconnect. (An anyio task
-    group and cancel scope did the same at ~3x the cost, ~0.1 ms a request on the CPU box; every
-    request pays it on the event loop: docs/benchmarks.md, bench/bench_overhead.py.)"""
+    group, cancel scope and fail_after did the same for ~0.8 ms more of the event loop a request on
+    the CPU box, which every request pays: docs/design.md §5.2, bench/bench_overhead.py.)"""
     task = asyncio.current_task()
     assert task is not None
     gone = False
@@ -66,7 +66,7 @@ async def guarded(svc: Services, work: Callable[[], Awaitable[T]], receive: Rece
     finally:
         if watcher is not None:
             watcher.cancel()
-    if gone:  # the client left as the work ended: take back the cancel it has not yet seen
+    if gone:  # not expected (the watcher's cancel lands in the await above), but never answer a gone client
         task.uncancel()
         raise ClientGone()
     return outcome
