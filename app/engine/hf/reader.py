@@ -172,13 +172,14 @@ class _ReadJob:
     runs alone, one step a turn (`program`, the runner's `read_steps`), back in line after each."""
 
     def __init__(self, specs: list[ReadSpec], future: asyncio.Future[list[ReadResult]], images: Preprocessed,
-                 heavy: bool = False) -> None:
+                 heavy: bool = False, long_tokens: int = 0) -> None:
         self.caller = current_caller.get()  # the decision it is for: batches are shared fairly among them
         self.specs = specs
         self.future = future
         self.rows = sum(len(spec.canvases) for spec in specs)
         self.images = images
         self.heavy = heavy
+        self.long_tokens = long_tokens  # its long prompts' tokens to encode (`DiffusionRunner.long_encoding`)
         self.program: Generator[None, None, list[ReadResult | Exception]] | None = None
         self.turns = 0  # the steps of `program` run so far
 
@@ -315,7 +316,9 @@ class HFReader:
             return []
         self._admit()
         images = await self._preprocess([spec.prompt for spec in specs], reuse=True)
-        job = _ReadJob(list(specs), asyncio.get_running_loop().create_future(), images, heavy=self._heavy(specs))
+        heavy = self._heavy(specs)
+        long_tokens = 0 if heavy else sum(self.runner.long_encoding(prompt) for prompt in {spec.prompt for spec in specs})
+        job = _ReadJob(list(specs), asyncio.get_running_loop().create_future(), images, heavy, long_tokens)
         self._submit(job)
         return await job.future
 
@@ -464,8 +467,13 @@ class HFReader:
         other callers wait, one caller's reads take at most half the batch in the first pass, so a
         decision of 200 questions cannot keep a steady client's read out of batch after batch; the
         room left is then filled in arrival order. A read that does not fit ends each pass (nothing
-        jumps a read that waits for room), and a read at the head of the queue always goes next."""
+        jumps a read that waits for room), and a read at the head of the queue always goes next.
+        Long prompts to encode (`_ReadJob.long_tokens`) fill at most `prefill_chunk` tokens of a
+        batch besides `first`'s: a read past that waits for a later batch while shorter reads go on,
+        so a decision of many long prompts takes several short turns, not one that every read in it
+        waits out (the steady client beside the served bench's 200-question decision)."""
         limit = self.options.max_batch_rows
+        budget = max(self.options.prefill_chunk, first.long_tokens)
         queue = list(self._queue)
         light = [job for job in queue if isinstance(job, _ReadJob) and not job.heavy]
         for job in light:
@@ -476,7 +484,7 @@ class HFReader:
         share = max(first.rows, limit // 2)
         taken: Counter[int] = Counter({first.caller: first.rows})
         chosen: dict[int, _ReadJob] = {}
-        rows = first.rows
+        rows, tokens = first.rows, first.long_tokens
         for capped in ((True, False) if fair else (False,)):
             for job in light:
                 if id(job) in chosen:
@@ -485,9 +493,12 @@ class HFReader:
                     break
                 if capped and taken[job.caller] + job.rows > share:
                     continue
+                if job.long_tokens and tokens + job.long_tokens > budget:
+                    continue
                 chosen[id(job)] = job
                 taken[job.caller] += job.rows
                 rows += job.rows
+                tokens += job.long_tokens
         self._queue = deque(job for job in queue if id(job) not in chosen and not job.dropped)
         return [first, *(job for job in light if id(job) in chosen)]
 

@@ -71,6 +71,12 @@ class FakeRunner:
     def needs_chunks(self, prompt):
         return len(prompt.ids) > self.chunk
 
+    def long_encoding(self, prompt):
+        """As DiffusionRunner's, over `chunk` (the reader's prefill_chunk): light prompts of more
+        than a quarter of it count their tokens."""
+        n = len(prompt.ids)
+        return n if 4 * n > self.chunk and not self.needs_chunks(prompt) else 0
+
     def read_steps(self, specs, preprocessed=None):
         """Like DiffusionRunner.read_steps: a step per chunk of a long prompt and per decoder pass
         (`steps` passes a group of max_rows canvases), each taking `delay` and logged."""
@@ -107,7 +113,7 @@ def make_reader(runner: FakeRunner, max_rows: int = 64, gather_ms: float = 0) ->
     options = HFOptions(device="cpu", max_prompt_tokens=100, kv_cache_entries=0, max_batch_rows=max_rows,
                         gather_ms=gather_ms,
                         queue_limit=64, served_name="fake", canvas_length=16, tiny=True, torch_threads=0,
-                        cuda_graphs=False, torch_compile=False, fused_moe=False)
+                        cuda_graphs=False, torch_compile=False, fused_moe=False, prefill_chunk=runner.chunk)
     info = ReaderInfo(model="fake", engine="hf", device="cpu", tiny=True, canvas_length=16)
     return HFReader(runner, None, info, options)
 
@@ -453,6 +459,35 @@ def test_batches_are_shared_fairly_among_callers():
     assert len(lone) <= 11 and all(len(tags) == 4 for tags in lone[1:])  # full batches (the first may go alone)
     flat = [tag for tags in batches for tag in tags if 100 <= tag < 140]
     assert flat == sorted(flat)  # one caller's reads keep their order
+
+
+def test_a_batch_encodes_at_most_one_chunk_of_long_prompts():
+    """A decision of five reads over long prompts (each under PREFILL_CHUNK, all five far over it:
+    the served bench's 200 questions, 1.8k tokens a group) queued with a steady client's short read:
+    the steady read rides the first batch with one of them, never a batch that encodes all five,
+    and the long reads keep their order over the batches they take."""
+    from app.engine.base import current_caller
+
+    runner = FakeRunner(delay=0.01, chunk=8)
+    reader = make_reader(runner, max_rows=16)
+
+    async def decision(caller: int, tags: range, tokens: int):
+        current_caller.set(caller)
+        return await asyncio.gather(*(reader.read([spec(tag, tokens=tokens)]) for tag in tags))
+
+    async def scenario():
+        await reader.start()
+        blocker = asyncio.create_task(reader.read([spec(999)]))
+        await asyncio.sleep(0.003)
+        big = asyncio.create_task(decision(1, range(100, 105), 7))  # 7 of 8: light, long
+        steady = asyncio.create_task(decision(2, range(7, 8), 1))
+        await asyncio.gather(blocker, big, steady)
+        await reader.stop()
+
+    run(scenario())
+    batches = [tags for kind, tags in runner.log if kind == "read"]
+    assert batches[1:] == [[100, 7], [101], [102], [103], [104]], batches
+    assert all(sum(1 for tag in tags if 100 <= tag < 105) <= 1 for tags in batches)
 
 
 def test_a_turn_past_the_slow_bound_is_logged_and_counted(monkeypatch, caplog):
