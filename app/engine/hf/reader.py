@@ -519,14 +519,10 @@ class HFReader:
             return
 
     def _queued_read_rows(self) -> int:
-        """Canvases of the read jobs at the head of the queue (what a batch formed now would take)."""
-        rows = 0
-        for job in self._queue:
-            if not isinstance(job, _ReadJob) or job.heavy:
-                break
-            if not job.dropped:
-                rows += job.rows
-        return rows
+        """Canvases of the light reads queued (what a batch formed now would take from: `_take_batch`
+        takes light reads from anywhere in the queue). Counting only those ahead of the first step
+        or generation made every gather beside heavy work wait its whole window."""
+        return sum(job.rows for job in self._queue if isinstance(job, _ReadJob) and not job.heavy and not job.dropped)
 
     def _settle_if_built(self, seconds: float = 0.0) -> None:
         """After a pass: count what it captured or compiled since `ready` (none should: the shape

@@ -490,6 +490,31 @@ def test_a_batch_encodes_at_most_one_chunk_of_long_prompts():
     assert all(sum(1 for tag in tags if 100 <= tag < 105) <= 1 for tags in batches)
 
 
+def test_the_gather_counts_light_reads_queued_behind_a_step():
+    """Beside heavy work the light reads queue behind steps; the gather counts them all (the batch
+    takes them from anywhere in the queue), so it ends once the last batch's callers are back
+    instead of waiting its whole window every time."""
+    runner = FakeRunner(delay=0.002)
+    reader = make_reader(runner, max_rows=8, gather_ms=200)
+
+    async def scenario():
+        await reader.start()
+        await reader.read([spec(1), spec(2)])  # two callers' worth: the next gather wants 2 rows
+        reader._busy = True
+        heavy = asyncio.create_task(reader.read([spec(50, canvases=2, steps=40)]))
+        await asyncio.sleep(0.01)  # its steps run
+        started = time.perf_counter()
+        first = asyncio.create_task(reader.read([spec(3)]))  # goes after the step running, then gathers
+        await asyncio.sleep(0.008)  # a few steps on: queued behind the heavy read, back in line
+        await asyncio.gather(first, reader.read([spec(4)]))
+        waited = time.perf_counter() - started
+        heavy.cancel()
+        await reader.stop()
+        return waited
+
+    assert run(scenario()) < 0.15  # not the 200 ms window
+
+
 def test_a_turn_past_the_slow_bound_is_logged_and_counted(monkeypatch, caplog):
     import app.engine.hf.reader as reader_module
 
