@@ -510,13 +510,25 @@ class HFReader:
         assert self._wakeup is not None
         deadline = asyncio.get_running_loop().time() + self.options.gather_ms / 1000
         wanted = min(max(self._last_rows, 2), self.options.max_batch_rows)
+        started = time.perf_counter()
         try:
             async with asyncio.timeout_at(deadline):
                 while first.rows + self._queued_read_rows() < wanted:
                     self._wakeup.clear()  # _submit sets it for every job it queues
                     await self._wakeup.wait()
         except TimeoutError:
-            return
+            pass
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("batch gather: %.1f ms for %d of %d wanted row(s)", (time.perf_counter() - started) * 1000,
+                      first.rows + self._queued_read_rows(), wanted)
+
+    def _queue_summary(self) -> str:
+        """What waits in the queue, by kind (the debug trace's view of it)."""
+        light = [job for job in self._queue if isinstance(job, _ReadJob) and not job.heavy]
+        heavy = sum(1 for job in self._queue if isinstance(job, _ReadJob) and job.heavy)
+        generations = len(self._queue) - len(light) - heavy
+        return (f"{len(light)} light read(s) of {sum(job.rows for job in light)} row(s), {heavy} heavy, "
+                f"{generations} generation(s)")
 
     def _queued_read_rows(self) -> int:
         """Canvases of the light reads queued (what a batch formed now would take from: `_take_batch`
@@ -632,6 +644,10 @@ class HFReader:
         self._allocations = allocations  # one read a turn: the engine thread alone allocates, and only in turns
         device_allocs, retries = allocations[0] - before[0], allocations[1] - before[1]
         self.runner.stats["allocator_retries"] += retries
+        if log.isEnabledFor(logging.DEBUG):  # LOG_LEVEL=debug: the turn-by-turn trace of the scheduler
+            log.debug("engine turn: %s, %.1f ms, %d job(s), %d row(s); its last step: %s; queued after it: %s", work,
+                      seconds * 1000, len(jobs), sum(getattr(job, "rows", 0) for job in jobs),
+                      self.runner.step_note or "-", self._queue_summary())
         if seconds > SLOW_TURN_S:  # the scheduling contract bounds a turn: say which work broke it
             self.runner.stats["slow_turns"] += 1
             log.warning("an engine turn took %.0f ms: %s for %d request(s); its last step: %s; the allocator asked the "

@@ -515,6 +515,35 @@ def test_the_gather_counts_light_reads_queued_behind_a_step():
     assert run(scenario()) < 0.15  # not the 200 ms window
 
 
+def test_at_debug_every_turn_and_gather_is_logged(caplog):
+    """LOG_LEVEL=debug gives the scheduler's trace: each engine turn with its work, time, jobs, rows
+    and what waits behind it, and each gather's wait; at INFO neither is logged."""
+    import logging
+
+    runner = FakeRunner(delay=0.002)
+    reader = make_reader(runner, max_rows=8, gather_ms=5)
+
+    async def scenario():
+        await reader.start()
+        await reader.read([spec(1), spec(2)])
+        reader._busy = True  # as under load: the next batch gathers
+        await reader.read([spec(3)])
+        await reader.stop()
+
+    with caplog.at_level(logging.INFO, logger="djev.engine"):
+        run(scenario())
+    assert not [r for r in caplog.records if r.levelno == logging.DEBUG]
+    reader = make_reader(runner, max_rows=8, gather_ms=5)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="djev.engine"):
+        run(scenario())
+    turns = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine turn:")]
+    assert len(turns) == 2 and "a read batch" in turns[0] and "1 job(s), 2 row(s)" in turns[0], turns
+    assert "queued after it: 0 light read(s) of 0 row(s), 0 heavy, 0 generation(s)" in turns[1]
+    gathers = [r.getMessage() for r in caplog.records if r.getMessage().startswith("batch gather:")]
+    assert len(gathers) == 1 and "1 of 2 wanted row(s)" in gathers[0], gathers
+
+
 def test_a_turn_past_the_slow_bound_is_logged_and_counted(monkeypatch, caplog):
     import app.engine.hf.reader as reader_module
 
