@@ -499,8 +499,8 @@ def test_the_gather_counts_light_reads_queued_behind_a_step():
 
     async def scenario():
         await reader.start()
-        await reader.read([spec(1), spec(2)])  # two callers' worth: the next gather wants 2 rows
-        reader._busy = True
+        # two callers in one batch: the reader is busy, and the next gather wants 2 rows
+        await asyncio.gather(reader.read([spec(1)]), reader.read([spec(2)]))
         heavy = asyncio.create_task(reader.read([spec(50, canvases=2, steps=40)]))
         await asyncio.sleep(0.01)  # its steps run
         started = time.perf_counter()
@@ -525,8 +525,7 @@ def test_at_debug_every_turn_and_gather_is_logged(caplog):
 
     async def scenario():
         await reader.start()
-        await reader.read([spec(1), spec(2)])
-        reader._busy = True  # as under load: the next batch gathers
+        await asyncio.gather(reader.read([spec(1)]), reader.read([spec(2)]))  # busy: the next batch gathers
         await reader.read([spec(3)])
         await reader.stop()
 
@@ -538,7 +537,7 @@ def test_at_debug_every_turn_and_gather_is_logged(caplog):
     with caplog.at_level(logging.DEBUG, logger="djev.engine"):
         run(scenario())
     turns = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine turn:")]
-    assert len(turns) == 2 and "a read batch" in turns[0] and "1 job(s), 2 row(s)" in turns[0], turns
+    assert len(turns) == 2 and "a read batch" in turns[0] and "2 job(s), 2 row(s)" in turns[0], turns
     assert "queued after it: 0 light read(s) of 0 row(s), 0 heavy, 0 generation(s)" in turns[1]
     gathers = [r.getMessage() for r in caplog.records if r.getMessage().startswith("batch gather:")]
     assert len(gathers) == 1 and "1 of 2 wanted row(s)" in gathers[0], gathers
