@@ -93,6 +93,7 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
         kv_cache_entries=settings.hf.kv_cache_entries,
         max_batch_rows=settings.hf.max_batch_rows,
         gather_ms=settings.hf.batch_gather_ms,
+        gather_rows=settings.hf.batch_gather_rows,
         queue_limit=max(1024, 4 * settings.limits.max_inflight),
         served_name=served_name,
         canvas_length=settings.decisions.canvas,

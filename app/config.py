@@ -201,6 +201,10 @@ class HFSettings:
     batch_gather_ms: float = field(default=20.0, metadata=_meta(
         "BATCH_GATHER_MS", "hf: most ms a read batch waits for more reads under load, ending once as many "
         "canvases as the last batch had are queued; 0 = never (docs/reliability.md)"))
+    batch_gather_rows: int = field(default=0, metadata=_meta(
+        "BATCH_GATHER_ROWS", "hf: the most canvases a read batch's gather waits for (0 = as many as the last batch "
+        "had); half of MAX_BATCH_ROWS keeps 64 closed-loop clients in two cohorts that take turns, one planned "
+        "while the other runs (an A/B for bench_gpu_served --gather-rows; docs/benchmarks.md)"))
     kv_cache_entries: int = field(default=64, metadata=_meta(
         "KV_CACHE_ENTRIES", "encoded prompts kept for reuse (hf engine; the shared-prefix LRU keeps min(N, 16); "
         "0 turns both off)"))
@@ -223,6 +227,8 @@ class HFSettings:
 
     def problems(self) -> list[str]:
         problems = ["MAX_BATCH_ROWS must be at least 1"] if self.max_batch_rows < 1 else []
+        if self.batch_gather_rows < 0:
+            problems.append(f"BATCH_GATHER_ROWS must be at least 0, not {self.batch_gather_rows}")
         if self.prefill_chunk < 16:
             problems.append(f"PREFILL_CHUNK must be at least 16 tokens, not {self.prefill_chunk}")
         if not self.prompt_cache_gb >= 0:

@@ -357,6 +357,7 @@ class Row:
     request: str = ""  # rest: sheets, ticket, walk
     twin: str = ""  # the in-process workload, "" for none
     switch_ms: float | None = None  # the server's switch interval for this row (--switch-intervals)
+    gather_rows: int | None = None  # the server's BATCH_GATHER_ROWS for this row (--gather-rows)
 
 
 def plan(args: argparse.Namespace) -> list[Row]:
@@ -367,11 +368,15 @@ def plan(args: argparse.Namespace) -> list[Row]:
     rows += [Row("e", "cameras at 2 fps (/v1/stream)", "camera_open", n, twin="cameras_open") for n in args.open_cameras]
     if args.steady:
         rows.append(Row("f", "steady ticket client beside heavy requests", "steady", 1 + len(HEAVY_KINDS)))
-    if not args.switch_intervals:
-        return rows
-    # Each row once per interval, one after the other, so the pair meets the same host and caches.
-    return [dataclasses.replace(row, name=f"{row.name}, switch interval {ms:g} ms", switch_ms=ms)
-            for row in rows for ms in args.switch_intervals]
+    # Each row once per interval (and gather cap), one after the other, so the runs of an A/B meet
+    # the same host and caches.
+    if args.switch_intervals:
+        rows = [dataclasses.replace(row, name=f"{row.name}, switch interval {ms:g} ms", switch_ms=ms)
+                for row in rows for ms in args.switch_intervals]
+    if args.gather_rows:
+        rows = [dataclasses.replace(row, name=f"{row.name}, gather rows {cap}", gather_rows=cap)
+                for row in rows for cap in args.gather_rows]
+    return rows
 
 
 def shares(total: int, parts: int) -> list[int]:
@@ -443,6 +448,13 @@ def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, poo
                               json={"ms": row.switch_ms}, timeout=10)
         response.raise_for_status()
         out["switch_ms"] = row.switch_ms
+    if row.gather_rows is not None:
+        import httpx
+
+        response = httpx.post(server.url + "/bench/gather-rows", headers=auth_headers(api_key),
+                              json={"rows": row.gather_rows}, timeout=10)
+        response.raise_for_status()
+        out["gather_rows"] = row.gather_rows
     before = scrape(server)
     tallies = pool.run(worker_specs(row, number, args, server.url, api_key), args.seconds + 60.0)
     after = scrape(server)
@@ -715,6 +727,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--open-cameras", default=None, help="row (e) cameras (default 8,16,32,64; --quick 8,32)")
     parser.add_argument("--switch-intervals", default="", help="run every row once per server switch interval "
                         "in ms (e.g. 5,0.2: Python's default beside SWITCH_INTERVAL_MS's), one after the other")
+    parser.add_argument("--gather-rows", default="", help="run every row once per server BATCH_GATHER_ROWS "
+                        "(comma-separated, e.g. 0,32: an A/B in one call; 0 = the last batch's count)")
     parser.add_argument("--no-steady", dest="steady", action="store_false", help="skip row (f)")
     parser.add_argument("--restart", action="store_true",
                         help="after the rows, stop the server and time a second start over the compile caches the "
@@ -762,6 +776,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.switch_intervals = [float(part) for part in args.switch_intervals.split(",") if part.strip()]
     if any(not 0.01 <= ms <= 100 for ms in args.switch_intervals):
         parser.error("--switch-intervals: each from 0.01 to 100 ms")
+    try:
+        args.gather_rows = [int(part) for part in args.gather_rows.split(",") if part.strip()]
+    except ValueError:
+        parser.error("--gather-rows: comma-separated integers")
+    if any(cap < 0 for cap in args.gather_rows):
+        parser.error("--gather-rows: each at least 0")
     args.heavy_tokens = args.heavy_tokens or (1500 if args.tiny else 26000)
     args.heavy_think = args.heavy_think or (64 if args.tiny else 4096)
     args.deadline = args.deadline or (228.0 if quick else 520.0)

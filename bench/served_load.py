@@ -698,7 +698,8 @@ def bench_routes() -> list[Any]:
     """`POST /bench/inprocess` {workload, clients, seconds, tag}: the in-process twin's tally, as JSON.
     `POST /bench/stages` (the same body): the twin run with the hf runner's stages timed (`StageTimer`),
     its tally and the stages' times. `POST /bench/switch-interval` {ms}: the server process's switch
-    interval from now on (`sys.setswitchinterval`)."""
+    interval from now on (`sys.setswitchinterval`). `POST /bench/gather-rows` {rows}: the hf reader's
+    BATCH_GATHER_ROWS from now on (400 for a reader without it)."""
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
@@ -722,5 +723,20 @@ def bench_routes() -> list[Any]:
         sys.setswitchinterval(float((await request.json())["ms"]) / 1000)
         return JSONResponse({"before_ms": before * 1000, "ms": sys.getswitchinterval() * 1000})
 
+    async def gather_rows(request: Request) -> JSONResponse:
+        import dataclasses
+
+        reader = request.app.state.services.reader
+        reader = getattr(reader, "loaded", None) or reader  # the hf reader behind the start-up wrapper
+        options = getattr(reader, "options", None)
+        if options is None or not hasattr(options, "gather_rows"):
+            return JSONResponse({"error": "the reader has no gather"}, status_code=400)
+        rows = int((await request.json())["rows"])
+        if rows < 0:
+            return JSONResponse({"error": "rows must be at least 0"}, status_code=400)
+        reader.options = dataclasses.replace(options, gather_rows=rows)
+        return JSONResponse({"before": options.gather_rows, "rows": rows})
+
     return [Route("/bench/inprocess", inprocess, methods=["POST"]), Route("/bench/stages", stages, methods=["POST"]),
-            Route("/bench/switch-interval", switch_interval, methods=["POST"])]
+            Route("/bench/switch-interval", switch_interval, methods=["POST"]),
+            Route("/bench/gather-rows", gather_rows, methods=["POST"])]

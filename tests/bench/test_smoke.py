@@ -64,14 +64,15 @@ def test_bench_gpu_served_tiny_runs(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_bench_gpu_served_runs_each_row_at_each_switch_interval(tmp_path):
+def test_bench_gpu_served_runs_each_row_at_each_switch_interval_and_gather_cap(tmp_path):
     run_bench("bench_gpu_served.py", "--seconds", "1", "--workers", "2", "--sheet-clients", ",", "--ticket-clients", "2",
               "--walk-clients", ",", "--closed-cameras", ",", "--open-cameras", ",", "--no-steady", "--no-stages",
-              "--switch-intervals", "5,0.2", "--deadline", "120", out=tmp_path)
+              "--switch-intervals", "5,0.2", "--gather-rows", "0,2", "--deadline", "150", out=tmp_path)
     data = json.loads((tmp_path / "bench_gpu_served.json").read_text())
-    assert [(row["row"], row["switch_ms"]) for row in data["rows"]] == [("b", 5.0), ("b", 0.2)], data["notes"]
-    assert all(row["served"]["requests"] > 0 and row["name"].endswith(f"switch interval {row['switch_ms']:g} ms")
-               for row in data["rows"])
+    assert [(row["row"], row["switch_ms"], row["gather_rows"]) for row in data["rows"]] == [
+        ("b", 5.0, 0), ("b", 5.0, 2), ("b", 0.2, 0), ("b", 0.2, 2)], data["notes"]
+    assert all(row["served"]["requests"] > 0 and row["name"].endswith(
+        f"switch interval {row['switch_ms']:g} ms, gather rows {row['gather_rows']}") for row in data["rows"])
 
 
 @pytest.mark.timeout(600)

@@ -80,6 +80,7 @@ class HFOptions:
     max_images: int = 8  # images a request may hold
     prefill_chunk: int = 2048  # prompt tokens encoded in one engine turn (longer prompts: in chunks)
     prompt_cache_bytes: int = 0  # the bytes the prompt LRU may hold (0: bounded by entries only)
+    gather_rows: int = 0  # the most canvases a gather waits for (0: the last batch's count)
 
 
 def settle_heap() -> None:
@@ -510,6 +511,8 @@ class HFReader:
         assert self._wakeup is not None
         deadline = asyncio.get_running_loop().time() + self.options.gather_ms / 1000
         wanted = min(max(self._last_rows, 2), self.options.max_batch_rows)
+        if self.options.gather_rows:  # BATCH_GATHER_ROWS: two cohorts rather than one lock-step batch
+            wanted = min(wanted, self.options.gather_rows)
         started = time.perf_counter()
         try:
             async with asyncio.timeout_at(deadline):

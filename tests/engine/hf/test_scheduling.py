@@ -108,10 +108,10 @@ class FakeRunner:
         return None
 
 
-def make_reader(runner: FakeRunner, max_rows: int = 64, gather_ms: float = 0) -> HFReader:
+def make_reader(runner: FakeRunner, max_rows: int = 64, gather_ms: float = 0, gather_rows: int = 0) -> HFReader:
     runner.max_rows = max_rows
     options = HFOptions(device="cpu", max_prompt_tokens=100, kv_cache_entries=0, max_batch_rows=max_rows,
-                        gather_ms=gather_ms,
+                        gather_ms=gather_ms, gather_rows=gather_rows,
                         queue_limit=64, served_name="fake", canvas_length=16, tiny=True, torch_threads=0,
                         cuda_graphs=False, torch_compile=False, fused_moe=False, prefill_chunk=runner.chunk)
     info = ReaderInfo(model="fake", engine="hf", device="cpu", tiny=True, canvas_length=16)
@@ -513,6 +513,29 @@ def test_the_gather_counts_light_reads_queued_behind_a_step():
         return waited
 
     assert run(scenario()) < 0.15  # not the 200 ms window
+
+
+@pytest.mark.parametrize("cap", [0, 2])
+def test_batch_gather_rows_caps_what_the_gather_waits_for(cap):
+    """BATCH_GATHER_ROWS: the gather ends once that many canvases are queued, even when the last
+    batch had more (0: it waits for the last batch's count, here until its 200 ms window ends)."""
+    runner = FakeRunner(delay=0.002)
+    reader = make_reader(runner, max_rows=8, gather_ms=200, gather_rows=cap)
+
+    async def scenario():
+        await reader.start()
+        # the last batch: two callers (busy, as under load), 4 canvases
+        await asyncio.gather(reader.read([spec(1, canvases=2)]), reader.read([spec(11, canvases=2)]))
+        started = time.perf_counter()
+        first = asyncio.create_task(reader.read([spec(2)]))
+        await asyncio.sleep(0.01)
+        await asyncio.gather(first, reader.read([spec(3)]))
+        waited = time.perf_counter() - started
+        await reader.stop()
+        return waited
+
+    waited = run(scenario())
+    assert (waited < 0.1) if cap else (waited > 0.19), waited
 
 
 def test_at_debug_every_turn_and_gather_is_logged(caplog):
