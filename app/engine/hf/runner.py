@@ -382,14 +382,15 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         return long
 
     def long_encoding(self, prompt: Prompt) -> int:
-        """The tokens a light read's prompt adds to its batch's encoding when it is long (over a
-        quarter of `prefill_chunk`) and not in the LRU, else 0: a read batch holds at most
-        `prefill_chunk` of them (HFReader), so five 1.8k-token prompts of one decision never make one
-        turn encode 9k tokens while a steady client's read waits in it. Shorter prompts are left out:
-        they share a question sheet's prefix, and their suffixes batch into one encoder pass.
-        Safe to ask from the event loop (one LRU membership test)."""
+        """The tokens a light read's prompt adds to its batch's encoding when it is long (over half
+        of `prefill_chunk`) and not in the LRU, else 0: a read batch holds at most `prefill_chunk` of
+        them (HFReader), so five 1.8k-token prompts of one decision never make one turn encode 9k
+        tokens while a steady client's read waits in it. Shorter prompts are left out: tickets
+        (~400 tokens), question sheets and walk frames (~755 with the image) mostly encode over a
+        shared prefix, and their suffixes batch into one encoder pass; counting them whole would cap
+        a walk batch at three frames. Safe to ask from the event loop (one LRU membership test)."""
         n = len(prompt.ids)
-        return n if 4 * n > self.prefill_chunk and prompt.cache_key not in self.prompts else 0
+        return n if 2 * n > self.prefill_chunk and prompt.cache_key not in self.prompts else 0
 
     def needs_chunks(self, prompt: Prompt) -> bool:
         """Whether the prompt's encoding takes more than one engine turn (`prefill_chunk` tokens).

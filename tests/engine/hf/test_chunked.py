@@ -267,3 +267,14 @@ def test_attention_with_lse_equals_the_arithmetic_it_stands_for(causal):
     assert lse.dtype == torch.float32 and lse.shape == (1, 2, 40)
     assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=1e-5)
     assert torch.allclose(out.double(), torch.matmul(torch.softmax(scores, -1), values.double()), atol=1e-5)
+
+
+def test_only_long_uncached_prompts_count_against_a_batchs_encoding(tiny_dir):
+    """`long_encoding`: a prompt over half of PREFILL_CHUNK and not in the LRU counts its tokens
+    (a read batch holds PREFILL_CHUNK of them); a shorter one (a ticket, a walk frame over its sheet)
+    counts nothing, nor does one already encoded."""
+    runner = make_tiny_reader(tiny_dir, prefill_chunk=64).runner
+    short, long = Prompt(tuple(range(100, 132))), Prompt(tuple(range(100, 160)))
+    assert runner.long_encoding(short) == 0 and runner.long_encoding(long) == 60
+    runner.encode_many([long])
+    assert runner.long_encoding(long) == 0  # in the LRU now: nothing to encode

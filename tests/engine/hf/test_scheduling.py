@@ -73,9 +73,9 @@ class FakeRunner:
 
     def long_encoding(self, prompt):
         """As DiffusionRunner's, over `chunk` (the reader's prefill_chunk): light prompts of more
-        than a quarter of it count their tokens."""
+        than half of it count their tokens."""
         n = len(prompt.ids)
-        return n if 4 * n > self.chunk and not self.needs_chunks(prompt) else 0
+        return n if 2 * n > self.chunk and not self.needs_chunks(prompt) else 0
 
     def read_steps(self, specs, preprocessed=None):
         """Like DiffusionRunner.read_steps: a step per chunk of a long prompt and per decoder pass
