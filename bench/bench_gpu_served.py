@@ -438,22 +438,23 @@ def twin(server: Server, api_key: str, row: Row, clients: int, seconds: float, n
     return response.json()
 
 
+def set_knob(server: Server, api_key: str, path: str, body: dict[str, Any]) -> None:
+    """One of the server's bench knobs (`bench_routes`: the switch interval, the gather cap) set for
+    the row about to run."""
+    import httpx
+
+    response = httpx.post(server.url + path, headers=auth_headers(api_key), json=body, timeout=10)
+    response.raise_for_status()
+
+
 def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, pool: ClientPool,
             api_key: str) -> dict[str, Any]:
     out: dict[str, Any] = {"row": row.key, "name": row.name, "kind": row.kind, "clients": row.clients}
     if row.switch_ms is not None:
-        import httpx
-
-        response = httpx.post(server.url + "/bench/switch-interval", headers=auth_headers(api_key),
-                              json={"ms": row.switch_ms}, timeout=10)
-        response.raise_for_status()
+        set_knob(server, api_key, "/bench/switch-interval", {"ms": row.switch_ms})
         out["switch_ms"] = row.switch_ms
     if row.gather_rows is not None:
-        import httpx
-
-        response = httpx.post(server.url + "/bench/gather-rows", headers=auth_headers(api_key),
-                              json={"rows": row.gather_rows}, timeout=10)
-        response.raise_for_status()
+        set_knob(server, api_key, "/bench/gather-rows", {"rows": row.gather_rows})
         out["gather_rows"] = row.gather_rows
     before = scrape(server)
     tallies = pool.run(worker_specs(row, number, args, server.url, api_key), args.seconds + 60.0)
