@@ -239,6 +239,16 @@ def attention_with_lse(queries: torch.Tensor, keys: torch.Tensor, values: torch.
     return out, lse.float()
 
 
+def choose_attention_kernels() -> None:
+    """Leave cuDNN out of SDPA's choices (process-wide; the engine thread is the one that runs the
+    model). cuDNN's attention builds an execution plan for every new shape it meets: on the H200
+    about 65 ms a layer, 1.6-2.3 s for one eager 32-row decoder pass over a prompt length it had not
+    seen, and every multi-step read of many canvases met one, since each new state's prompt has its
+    own length (docs/benchmarks.md, the 2026-12-03 probe). SDPA's memory-efficient kernel, which the
+    full-attention layers' 512-wide heads took already, needs no plan."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def install(layers: Sequence[TextLayer], compile: Callable[[Callable], Callable] | None = None) -> None:
     """Give each layer the split forward; `compile` wraps the two compiled pieces (None: eager)."""
     inputs = compile(attention_inputs) if compile else attention_inputs
