@@ -241,11 +241,12 @@ def attention_with_lse(queries: torch.Tensor, keys: torch.Tensor, values: torch.
 
 def choose_attention_kernels() -> None:
     """Leave cuDNN out of SDPA's choices (process-wide; the engine thread is the one that runs the
-    model). cuDNN's attention builds an execution plan for every new shape it meets: on the H200
-    about 65 ms a layer, 1.6-2.3 s for one eager 32-row decoder pass over a prompt length it had not
-    seen, and every multi-step read of many canvases met one, since each new state's prompt has its
-    own length (docs/benchmarks.md, the 2026-12-03 probe). SDPA's memory-efficient kernel, which the
-    full-attention layers' 512-wide heads took already, needs no plan."""
+    model). cuDNN's attention builds an execution plan for each new shape it meets, on the host: on
+    the H200 one such call took 1,641 ms, the first sliding layer of an eager 32-row decoder pass
+    over a prompt length not seen before (the other 24 reused its plan), and the served passes meet
+    new lengths all the time, since each new state's prompt has its own (docs/benchmarks.md, the
+    2026-12-03 probe). SDPA's memory-efficient kernel, which the full-attention layers' 512-wide heads
+    took already, builds nothing."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 

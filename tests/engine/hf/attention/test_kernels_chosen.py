@@ -1,5 +1,5 @@
 """The hf reader leaves cuDNN out of SDPA's kernels before its warm-up: cuDNN builds a plan for
-every new attention shape (1.6-2.3 s for one eager 32-row decoder pass on the H200), and the
+each new attention shape (one call of 1.6 s in an eager 32-row decoder pass on the H200), and the
 served passes meet new prompt lengths all the time (app/engine/hf/layers.py
 `choose_attention_kernels`)."""
 
