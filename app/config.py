@@ -201,10 +201,10 @@ class HFSettings:
     batch_gather_ms: float = field(default=20.0, metadata=_meta(
         "BATCH_GATHER_MS", "hf: most ms a read batch waits for more reads under load, ending once as many "
         "canvases as the last batch had are queued; 0 = never (docs/reliability.md)"))
-    batch_gather_rows: int = field(default=0, metadata=_meta(
+    batch_gather_rows: int = field(default=32, metadata=_meta(
         "BATCH_GATHER_ROWS", "hf: the most canvases a read batch's gather waits for (0 = as many as the last batch "
-        "had); half of MAX_BATCH_ROWS keeps 64 closed-loop clients in two cohorts that take turns, one planned "
-        "while the other runs (an A/B for bench_gpu_served --gather-rows; docs/benchmarks.md)"))
+        "had); 32 keeps 64 closed-loop clients in two cohorts that take turns, one planned while the other runs, "
+        "more throughput at every client count in two H200 A/Bs (docs/benchmarks.md)"))
     kv_cache_entries: int = field(default=64, metadata=_meta(
         "KV_CACHE_ENTRIES", "encoded prompts kept for reuse (hf engine; the shared-prefix LRU keeps min(N, 16); "
         "0 turns both off)"))

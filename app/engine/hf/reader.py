@@ -80,7 +80,7 @@ class HFOptions:
     max_images: int = 8  # images a request may hold
     prefill_chunk: int = 2048  # prompt tokens encoded in one engine turn (longer prompts: in chunks)
     prompt_cache_bytes: int = 0  # the bytes the prompt LRU may hold (0: bounded by entries only)
-    gather_rows: int = 0  # the most canvases a gather waits for (0: the last batch's count)
+    gather_rows: int = 32  # the most canvases a gather waits for (0: the last batch's count)
 
 
 def settle_heap() -> None:
