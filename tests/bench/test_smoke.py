@@ -107,6 +107,15 @@ def test_probe_gpu_turns_tiny_runs(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_probe_gpu_sdpa_tiny_runs(tmp_path):
+    result = run_bench("probe_gpu_sdpa.py", "--repeats", "2", "--out", str(tmp_path / "sdpa.json"), out=tmp_path)
+    data = json.loads((tmp_path / "sdpa.json").read_text())
+    assert [row["shape"] for row in data["rows"]] == ["small, sliding-like", "small, full-like"]
+    assert all(row["math"]["steady_ms"] > 0 and row["math"]["first_ms"] > 0 for row in data["rows"])
+    assert "| small, sliding-like |" in result["stdout"]
+
+
+@pytest.mark.timeout(300)
 def test_bench_overhead_runs(tmp_path):
     """The server-overhead bench end to end: its server child, its client processes, its table."""
     out = tmp_path / "overhead.json"
