@@ -66,7 +66,6 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
     directly, so what it serves is built exactly as `djev serve` builds it."""
     import torch
 
-    from app.engine.hf.layers import choose_attention_kernels
     from app.engine.hf.parts import text_config
     from app.engine.hf.runner import DiffusionRunner
     from app.engine.tokenizer import HFChatTokenizer
@@ -74,7 +73,6 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
     report = progress or _silent
     device = next(model.parameters()).device
     on_cuda = device.type == "cuda"
-    choose_attention_kernels()  # before the warm-up and the captures: they run the kernels served
     if options.fused_moe and on_cuda:
         from app.engine.hf.moe.fused import use_fused_experts
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from app.engine.base import EngineInputError, Prompt, ReadResult, ReadSpec, SlotRead, StartupProgress
 from app.engine.hf.generation import GenerationMixin
 from app.engine.hf.graphs.shapes import ShapePolicy
+from app.engine.hf.layers import choose_attention_kernels
 from app.engine.hf.parts import layer_types, text_config
 from app.engine.hf.pixels import splittable
 from app.engine.hf.prompts import (
@@ -108,6 +109,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         prefill_chunk: int = 2048,
         kv_bytes: int = 0,
     ) -> None:
+        choose_attention_kernels()  # every pass of every runner (served or benched) takes the same kernels
         self.model = model
         self.image_processor = image_processor
         self.device = device

@@ -1,7 +1,7 @@
-"""The hf reader leaves cuDNN out of SDPA's kernels before its warm-up: cuDNN builds a plan for
-each new attention shape (one call of 1.6 s in an eager 32-row decoder pass on the H200), and the
-served passes meet new prompt lengths all the time (app/engine/hf/layers.py
-`choose_attention_kernels`)."""
+"""Every DiffusionRunner (the served reader's, and each bench's) leaves cuDNN out of SDPA's kernels,
+before the warm-up and the captures: cuDNN builds a plan for each new attention shape (one call of
+1.6 s in an eager 32-row decoder pass on the H200), and the served passes meet new prompt lengths
+all the time (app/engine/hf/layers.py `choose_attention_kernels`)."""
 
 from __future__ import annotations
 
