@@ -91,6 +91,15 @@ def run_steps(steps: Generator[None, None, Result]) -> Result:
             return stop.value
 
 
+def left_padded(kv: torch.Tensor, length: int) -> torch.Tensor:
+    """A prompt's keys or values [1, heads, tokens, dim] left-padded with zeros to `length` tokens,
+    or the tensor itself when it has them: `torch.cat` copies it either way, and a zero-width pad
+    is one more copy and launch each (the H200 profile of a 32-canvas eager pass over one prompt:
+    1,920 zero-width pads, 35-57 ms of its 180-290 ms on the host; docs/results/h200_probe_cudnn_plan.txt)."""
+    missing = length - kv.shape[2]
+    return F.pad(kv, (0, 0, missing, 0)) if missing else kv
+
+
 class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
     def __init__(
         self,
@@ -268,8 +277,8 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
                 padded_keys, padded_values = keys[0], values[0]
             else:
                 longest = max(k.shape[2] for k in keys)
-                padded_keys = torch.cat([F.pad(k, (0, 0, longest - k.shape[2], 0)) for k in keys])
-                padded_values = torch.cat([F.pad(v, (0, 0, longest - v.shape[2], 0)) for v in values])
+                padded_keys = torch.cat([left_padded(k, longest) for k in keys])
+                padded_values = torch.cat([left_padded(v, longest) for v in values])
             stacked.layers.append(held_layer(padded_keys, padded_values))
             lengths_by_type.setdefault(layer_type, [k.shape[2] for k in keys])
 

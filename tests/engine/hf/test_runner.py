@@ -190,3 +190,13 @@ def test_sample_step_draws_only_inside_the_nucleus_and_greedy_draws_nothing():
     assert greedy.tokens.tolist() == [0] * 64 and greedy.entropy.tolist() == [0.0] * 64
     assert torch.equal(generator.get_state(), state)  # nothing drawn
     assert torch.equal(greedy.conditioning.softmax(-1), torch.nn.functional.one_hot(greedy.argmax, 4).float())
+
+
+def test_left_padded_pads_short_kv_on_the_left_and_returns_full_kv_itself():
+    from app.engine.hf.runner import left_padded
+
+    kv = torch.arange(1 * 2 * 3 * 4, dtype=torch.float32).reshape(1, 2, 3, 4)
+    assert left_padded(kv, 3) is kv  # no zero-width pad: no copy
+    padded = left_padded(kv, 5)
+    assert padded.shape == (1, 2, 5, 4)
+    assert torch.equal(padded[:, :, :2], torch.zeros(1, 2, 2, 4)) and torch.equal(padded[:, :, 2:], kv)
