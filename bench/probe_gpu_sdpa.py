@@ -15,7 +15,6 @@ math kernel runs (the smoke test of this script: `--tiny --device cpu`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import markdown_table  # noqa: E402
+from bench.common import header, machine, markdown_table, write_json  # noqa: E402
 
 # (what it stands for, rows, KV heads, query rows a KV head holds (query heads per KV head x tokens),
 # keys, head size): DiffusionGemma's sliding layers have 16 query heads on 8 KV heads of 256, its
@@ -117,12 +116,14 @@ def main() -> int:
     shapes = SMALL_SHAPES if args.tiny else SHAPES
     dtype = torch.bfloat16 if on_cuda else torch.float32
     rows = [probe_shape(shape, kernels, device, dtype, args.repeats) for shape in shapes]
-    header = ["shape", *(f"{label}: first / steady / new length (ms)" for label in kernels)]
-    print(markdown_table(header, [[row["shape"], *(cell(row[label]) for label in kernels)] for row in rows]))
+    info = machine()
+    columns = ["shape", *(f"{label}: first / steady / new length (ms)" for label in kernels)]
+    print(header("probe_gpu_sdpa: SDPA's kernels at the served attention shapes", info))
+    print()
+    print(markdown_table(columns, [[row["shape"], *(cell(row[label]) for label in kernels)] for row in rows]))
     if args.out:
-        info = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if on_cuda else "cpu",
-                "cudnn": torch.backends.cudnn.version() if on_cuda else None, "repeats": args.repeats, "rows": rows}
-        Path(args.out).write_text(json.dumps(info, indent=1) + "\n")
+        write_json(args.out, {"machine": info, "cudnn": torch.backends.cudnn.version() if on_cuda else None,
+                              "repeats": args.repeats, "rows": rows})
     return 0
 
 
