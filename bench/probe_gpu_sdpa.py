@@ -30,7 +30,7 @@ from bench.common import header, machine, markdown_table, write_json  # noqa: E4
 
 # (what it stands for, rows, KV heads, query rows a KV head holds (query heads per KV head x tokens),
 # keys, head size): DiffusionGemma's sliding layers have 16 query heads on 8 KV heads of 256, its
-# full layers 16 on 2 of 512 (docs/design.md §2).
+# full layers 16 on 2 of 512 (docs/design.md §2); the vision tower 12 heads of 64.
 SHAPES: tuple[tuple[str, int, int, int, int, int], ...] = (
     ("decoder, 32 canvases of 16 over 256-token prompts, sliding", 32, 8, 2 * 16, 272, 256),
     ("the same, full", 32, 2, 8 * 16, 272, 512),
@@ -40,6 +40,9 @@ SHAPES: tuple[tuple[str, int, int, int, int, int], ...] = (
     ("the same, full", 32, 2, 8 * 160, 672, 512),
     ("encoder, 8 prompts of 1,024, sliding", 8, 8, 2 * 1024, 1024, 256),
     ("encoder, 8 walk frames of 300 over a 512-token prefix, sliding", 8, 8, 2 * 300, 812, 256),
+    # The vision tower (12 heads of 64, every head its own KV) over a frame's patch budget of 2,520.
+    ("vision tower, 1 frame of 2,520 patches", 1, 12, 2520, 2520, 64),
+    ("vision tower, 8 frames of 2,520 patches", 8, 12, 2520, 2520, 64),
 )
 SMALL_SHAPES = (("small, sliding-like", 2, 2, 2 * 8, 40, 16), ("small, full-like", 2, 1, 4 * 8, 40, 32))
 KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
