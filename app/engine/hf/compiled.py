@@ -95,20 +95,30 @@ def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
     started = time.perf_counter()
     width = max(4, canvas_length)
     base = _text_base(runner)
+    parts: dict[str, float] = {}
+
+    def timed(part: str, specs: list[ReadSpec]) -> None:
+        begun = time.perf_counter()
+        _read_all(runner, specs)
+        parts[part] = time.perf_counter() - begun
+
     for count in WARM_UP_ROWS:
-        _read_all(runner, [_read_of(runner, tuple(range(base + 97 * row, base + 97 * row + 64 + 16 * row)), width)
-                           for row in range(count)])
+        timed(f"{count} row{'s' * (count > 1)}", [
+            _read_of(runner, tuple(range(base + 97 * row, base + 97 * row + 64 + 16 * row)), width)
+            for row in range(count)])
     chunk = runner.prefill_chunk
     if 2 * chunk + 64 <= runner.max_prompt_tokens:  # a long prompt's chunks: the first, a full one after it, a short last
-        _read_all(runner, [_read_of(runner, tuple(base + i % 997 for i in range(2 * chunk + 64)), width)])
+        timed("a long prompt", [_read_of(runner, tuple(base + i % 997 for i in range(2 * chunk + 64)), width)])
     if getattr(runner, "image_processor", None) is not None and vision_layers(runner.model):
-        _read_all(runner, [_read_of(runner, sample_image_prompt(runner), width)])
+        timed("an image", [_read_of(runner, sample_image_prompt(runner), width)])
     # A multi-step read of several canvases: its second step is the eager self-conditioned decoder
     # pass (the conditioned graphs hold one row), a path none of the reads above takes. (The one
     # turn of 1.6-2.3 s such a pass took beside the served bench's heavy burst was not a first use:
     # it came back with its exact shape warmed here, and went with a shorter interpreter switch
     # interval, SWITCH_INTERVAL_MS; docs/design.md §5.2.)
-    _read_all(runner, [_read_of(runner, tuple(range(base, base + 64)), width, canvases=WARM_UP_CANVASES, steps=2)])
+    timed("a multi-step read", [_read_of(runner, tuple(range(base, base + 64)), width, canvases=WARM_UP_CANVASES,
+                                         steps=2)])
+    log.info("the warm-up's reads: %s", ", ".join(f"{part} {seconds:.1f} s" for part, seconds in parts.items()))
     runner.clear_caches()
     runner.stats.clear()  # the counters (and /metrics) start at the first request
     return time.perf_counter() - started

@@ -221,8 +221,9 @@ def prepare_graphs(runner: DiffusionRunner, progress: StartupProgress) -> None:
         torch.cuda.empty_cache()  # the warm runs' memory, once (capture frees nothing between graphs)
     phases = ", ".join(f"{name.removeprefix('graph_').removesuffix('_ms')} {runner.stats[name] / 1000:.1f} s"
                        for name in CAPTURE_PHASES)
-    log.info("CUDA graphs captured in %.1f s (%s): %s (%.2f GiB)", time.perf_counter() - started, phases, held,
-             runner.graph_memory_bytes() / 2**30)
+    kinds = ", ".join(f"{kind} {runner.stats[f'{kind}_graph_build_ms'] / 1000:.1f} s" for kind in held)
+    log.info("CUDA graphs captured in %.1f s (%s; by kind: %s): %s (%.2f GiB)", time.perf_counter() - started, phases,
+             kinds, held, runner.graph_memory_bytes() / 2**30)
 
 
 def _silent(phase: str, done: int, total: int) -> None:
