@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from app.engine.hf.graphs.cache import GraphCache, capture
 from app.engine.hf.graphs.encoder import copy_all, shared_view
 from app.engine.hf.graphs.shapes import FIRST_KV_BUCKET, DecoderKey, ShapePolicy, doubling
-from app.engine.hf.parts import decoder_layers, encoder_layers, text_config
+from app.engine.hf.parts import decoder_layers, encoder_layers, first_layers, pattern_length, text_config
 
 if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
@@ -219,7 +219,8 @@ class DecoderGraphs:
         if self.capture:
             before = torch.cuda.memory_allocated(self.device)
             graph.graph, output = capture(lambda: self._forward(graph), self.pool, self.device,
-                                          warm=self.cache.first_run(key), times=self.stats)
+                                          warm=self.cache.first_run(key), first=lambda: self._first_run(graph),
+                                          times=self.stats)
             self.captures += 1
             assert isinstance(output, torch.Tensor)
             graph.output = output
@@ -236,6 +237,11 @@ class DecoderGraphs:
         """GPU memory of the shared buffers plus what each capture added when it was built."""
         shared = sum(t.numel() * t.element_size() for t in self._storage.values())
         return shared + sum(graph.memory for graph in self.cache.graphs())
+
+    def _first_run(self, graph: _Graph) -> None:
+        """The pass before its capture, through the first layer of each type only (`capture`'s `first`)."""
+        with first_layers(self.model.model.decoder, pattern_length(self.layer_types)):
+            self._forward(graph)
 
     def _forward(self, graph: _Graph) -> torch.Tensor:
         return self.model.model(

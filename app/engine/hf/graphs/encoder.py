@@ -24,7 +24,7 @@ import torch
 
 from app.engine.hf.graphs.cache import GraphCache, capture
 from app.engine.hf.graphs.shapes import EncoderKey, ShapePolicy
-from app.engine.hf.parts import encoder_layers
+from app.engine.hf.parts import encoder_layers, first_layers, pattern_length
 
 if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
@@ -287,12 +287,18 @@ class EncoderGraphs:
         if self.capture and self.graphed(key):
             before = torch.cuda.memory_allocated(self.device)
             graph.graph, _ = capture(lambda: self._forward(graph), self.pool, self.device,
-                                     warm=self.cache.first_run(key), times=self.stats)
+                                     warm=self.cache.first_run(key), first=lambda: self._first_run(graph),
+                                     times=self.stats)
             self.captures += 1
             graph.memory = torch.cuda.memory_allocated(self.device) - before
             log.debug("captured the encoder pass for %d rows x %d tokens after %d prefix slots (%.0f MiB)", batch,
                       length, slots, graph.memory / 2**20)
         return graph
+
+    def _first_run(self, graph: _Graph) -> None:
+        """The pass before its capture, through the first layer of each type only (`capture`'s `first`)."""
+        with first_layers(self.text_model, pattern_length(self.layer_types)):
+            self._forward(graph)
 
     def _forward(self, graph: _Graph) -> None:
         """The encoder pass over the static inputs: causal attention without a mask (None makes SDPA
