@@ -9,7 +9,7 @@ give them typed, and checked: TypeError for a model not built that way.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
 
 from torch import nn
 
@@ -85,3 +85,12 @@ def first_layers(stack: nn.Module, count: int) -> Iterator[None]:
         yield
     finally:
         stack.layers = layers
+
+
+def through_first_layers(stack: nn.Module, count: int, forward: Callable[[], object]) -> Callable[[], None]:
+    """`forward` as a call that runs it through `stack`'s first `count` layers only (`first_layers`):
+    the text graphs' run before recording."""
+    def run() -> None:
+        with first_layers(stack, count):
+            forward()
+    return run

@@ -27,20 +27,21 @@ G = TypeVar("G")
 CAPTURE_PHASES = ("graph_warm_ms", "graph_record_ms", "graph_instantiate_ms")
 
 
-def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torch.device, *, warm: bool = True,
-            first: Callable[[], object] | None = None,
-            times: Counter[str] | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torch.device, *,
+            first: Callable[[], object] | None, times: Counter[str] | None = None,
+            ) -> tuple[torch.cuda.CUDAGraph, object]:
     """Capture `forward` into a CUDA graph over the shared memory `pool`; returns the graph and what
     the captured call returned (its outputs live in the pool and are rewritten by every replay).
 
-    With `warm`, `first` (or else `forward`) first runs once on a side stream. A shape's first run is needed: without
+    `first`, where given, runs once on a side stream before the recording. A shape's first run is needed: without
     it the captures of new shapes failed on the H200 (a compiled piece's first call of a shape
     copies from the host), and one failed capture left the pool recording, failing every capture
     after it (docs/benchmarks.md). The graphs' owners ask `GraphCache.first_run`: once per value of
     the shape policy's `decoder_pieces` / `encoder_pieces`, not once per key. The text passes give
     a `first` through the first layer of each type only (app/engine/hf/parts.py `first_layers`):
     every layer of a type calls the same compiled pieces, so what a new shape's first call does
-    happens there, at a fifth of a whole pass's cost.
+    happens there, at a fifth of a whole pass's cost (`through_first_layers`). The vision graphs
+    run their whole pass first.
 
     Unlike `torch.cuda.graph`, nothing is freed before each capture (its `empty_cache` returned the
     warm run's memory to the device, only for the next warm run to ask for it again); the start-up
@@ -50,9 +51,9 @@ def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torc
     started = time.perf_counter()
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    if warm:
+    if first is not None:
         with torch.cuda.stream(stream):
-            (first or forward)()
+            first()
     torch.cuda.synchronize(device)
     recorded = time.perf_counter()
     phases["graph_warm_ms"] += round((recorded - started) * 1000)
@@ -89,7 +90,7 @@ class GraphCache(Generic[K, G]):
         self.frozen = False
 
     def first_run(self, key: K) -> bool:
-        """Whether the capture of `key` runs its pass first (`capture`'s `warm`): the first key of
+        """Whether the capture of `key` runs its pass first (`capture`'s `first`): the first key of
         each value of `pieces`, or every key without it. Counts the key as run."""
         if self._pieces is None:
             return True

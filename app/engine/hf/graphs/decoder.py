@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -22,7 +23,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from app.engine.hf.graphs.cache import GraphCache, capture
 from app.engine.hf.graphs.encoder import copy_all, shared_view
 from app.engine.hf.graphs.shapes import FIRST_KV_BUCKET, DecoderKey, ShapePolicy, doubling
-from app.engine.hf.parts import decoder_layers, encoder_layers, first_layers, pattern_length, text_config
+from app.engine.hf.parts import decoder_layers, encoder_layers, pattern_length, text_config, through_first_layers
 
 if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
@@ -124,6 +125,7 @@ class DecoderGraphs:
     ) -> None:
         self.model = model
         self.layer_types = list(layer_types)
+        self.pattern = pattern_length(self.layer_types)  # layers from the first that hold one of each type
         # The first layer of each type: its KV length stands for every layer of that type.
         self.first_layer = {t: self.layer_types.index(t) for t in dict.fromkeys(self.layer_types)}
         self.device = device
@@ -218,9 +220,11 @@ class DecoderGraphs:
         self._load(graph, [], None)
         if self.capture:
             before = torch.cuda.memory_allocated(self.device)
-            graph.graph, output = capture(lambda: self._forward(graph), self.pool, self.device,
-                                          warm=self.cache.first_run(key), first=lambda: self._first_run(graph),
-                                          times=self.stats)
+            forward = partial(self._forward, graph)
+            first = (through_first_layers(self.model.model.decoder, self.pattern, forward)
+                     if self.cache.first_run(key) else None)
+            graph.graph, output = capture(forward, self.pool, self.device,
+                                          first=first, times=self.stats)
             self.captures += 1
             assert isinstance(output, torch.Tensor)
             graph.output = output
@@ -237,11 +241,6 @@ class DecoderGraphs:
         """GPU memory of the shared buffers plus what each capture added when it was built."""
         shared = sum(t.numel() * t.element_size() for t in self._storage.values())
         return shared + sum(graph.memory for graph in self.cache.graphs())
-
-    def _first_run(self, graph: _Graph) -> None:
-        """The pass before its capture, through the first layer of each type only (`capture`'s `first`)."""
-        with first_layers(self.model.model.decoder, pattern_length(self.layer_types)):
-            self._forward(graph)
 
     def _forward(self, graph: _Graph) -> torch.Tensor:
         return self.model.model(

@@ -17,6 +17,7 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -24,7 +25,7 @@ import torch
 
 from app.engine.hf.graphs.cache import GraphCache, capture
 from app.engine.hf.graphs.shapes import EncoderKey, ShapePolicy
-from app.engine.hf.parts import encoder_layers, first_layers, pattern_length
+from app.engine.hf.parts import encoder_layers, pattern_length, through_first_layers
 
 if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
@@ -131,6 +132,7 @@ class EncoderGraphs:
         self.text_model = self.encoder.language_model
         self.layers = encoder_layers(model)
         self.layer_types = list(layer_types)
+        self.pattern = pattern_length(self.layer_types)  # layers from the first that hold one of each type
         self.device = device
         self.sliding_window = sliding_window
         self.capture = capture
@@ -286,19 +288,15 @@ class EncoderGraphs:
         )
         if self.capture and self.graphed(key):
             before = torch.cuda.memory_allocated(self.device)
-            graph.graph, _ = capture(lambda: self._forward(graph), self.pool, self.device,
-                                     warm=self.cache.first_run(key), first=lambda: self._first_run(graph),
-                                     times=self.stats)
+            forward = partial(self._forward, graph)
+            first = through_first_layers(self.text_model, self.pattern, forward) if self.cache.first_run(key) else None
+            graph.graph, _ = capture(forward, self.pool, self.device,
+                                     first=first, times=self.stats)
             self.captures += 1
             graph.memory = torch.cuda.memory_allocated(self.device) - before
             log.debug("captured the encoder pass for %d rows x %d tokens after %d prefix slots (%.0f MiB)", batch,
                       length, slots, graph.memory / 2**20)
         return graph
-
-    def _first_run(self, graph: _Graph) -> None:
-        """The pass before its capture, through the first layer of each type only (`capture`'s `first`)."""
-        with first_layers(self.text_model, pattern_length(self.layer_types)):
-            self._forward(graph)
 
     def _forward(self, graph: _Graph) -> None:
         """The encoder pass over the static inputs: causal attention without a mask (None makes SDPA

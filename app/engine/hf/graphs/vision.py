@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -114,8 +115,8 @@ class VisionGraphs:
         )
         self._load(graph, pixel_values, positions)
         if self.capture:
-            graph.graph, outputs = capture(lambda: self._forward(graph), self.pool, self.device,
-                                            times=self.stats)
+            graph.graph, outputs = capture(partial(self._forward, graph), self.pool, self.device,
+                                            first=partial(self._forward, graph), times=self.stats)
             self.captures += 1
             assert isinstance(outputs, tuple)
             graph.features, graph.valid = outputs

@@ -56,10 +56,10 @@ def test_first_layers_runs_that_many_and_gives_the_whole_stack_back(tiny_dir):
 
 
 def fake_capture(runs: list[str], seen: list[int]):
-    """A stand-in for `capture` on the CPU: the run before recording where `warm` (`first`, else the
-    pass), then the recorded pass, noting which layers each went through."""
-    def capture(forward, pool, device, *, warm=True, first=None, times=None):
-        for name, call in ((("first", first or forward),) if warm else ()) + (("recorded", forward),):
+    """A stand-in for `capture` on the CPU: the run before recording where there is one (`first`),
+    then the recorded pass, noting which layers each went through."""
+    def capture(forward, pool, device, *, first, times=None):
+        for name, call in ((("first", first),) if first is not None else ()) + (("recorded", forward),):
             seen.clear()
             output = call()
             runs.append(f"{name}: {seen}")
@@ -82,7 +82,7 @@ def test_a_capture_runs_the_pattern_first_then_records_every_layer(tiny_dir, mon
     runs: list[str] = []
     seen, handles = layer_calls(layers)
     monkeypatch.setattr(module, "capture", fake_capture(runs, seen))
-    monkeypatch.setattr(module, "pattern_length", lambda types: 2)  # the tiny model's 6 layers are one pattern
+    graphs.pattern = 2  # the tiny model's 6 layers are one pattern
     monkeypatch.setattr(module.torch.cuda, "memory_allocated", lambda device=None: 0)
     graphs.capture = True
     graphs.stats = Counter()
