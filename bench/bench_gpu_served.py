@@ -358,6 +358,7 @@ class Row:
     twin: str = ""  # the in-process workload, "" for none
     switch_ms: float | None = None  # the server's switch interval for this row (--switch-intervals)
     gather_rows: int | None = None  # the server's BATCH_GATHER_ROWS for this row (--gather-rows)
+    headroom: float | None = None  # the camera pacer's SESSION_HEADROOM for this row (--session-headroom)
 
 
 def plan(args: argparse.Namespace) -> list[Row]:
@@ -376,6 +377,9 @@ def plan(args: argparse.Namespace) -> list[Row]:
     if args.gather_rows:
         rows = [dataclasses.replace(row, name=f"{row.name}, gather rows {cap}", gather_rows=cap)
                 for row in rows for cap in args.gather_rows]
+    if args.session_headroom:
+        rows = [dataclasses.replace(row, name=f"{row.name}, headroom {share:g}", headroom=share)
+                for row in rows for share in args.session_headroom]
     return rows
 
 
@@ -439,7 +443,8 @@ def twin(server: Server, api_key: str, row: Row, clients: int, seconds: float, n
 
 
 def set_knob(server: Server, api_key: str, path: str, body: dict[str, Any]) -> None:
-    """One of the server's bench knobs (`bench_routes`: the switch interval, the gather cap) set for
+    """One of the server's bench knobs (`bench_routes`: the switch interval, the gather cap, the
+    camera pacer's headroom) set for
     the row about to run."""
     import httpx
 
@@ -456,6 +461,9 @@ def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, poo
     if row.gather_rows is not None:
         set_knob(server, api_key, "/bench/gather-rows", {"rows": row.gather_rows})
         out["gather_rows"] = row.gather_rows
+    if row.headroom is not None:
+        set_knob(server, api_key, "/bench/session-headroom", {"headroom": row.headroom})
+        out["headroom"] = row.headroom
     before = scrape(server)
     tallies = pool.run(worker_specs(row, number, args, server.url, api_key), args.seconds + 60.0)
     after = scrape(server)
@@ -730,6 +738,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "in ms (e.g. 5,0.2: Python's default beside SWITCH_INTERVAL_MS's), one after the other")
     parser.add_argument("--gather-rows", default="", help="run every row once per server BATCH_GATHER_ROWS "
                         "(comma-separated, e.g. 0,32: an A/B in one call; 0 = the last batch's count)")
+    parser.add_argument("--session-headroom", default="", help="run every row once per camera pacer "
+                        "SESSION_HEADROOM (comma-separated shares in (0, 1], e.g. 0.8,0.92: an A/B of the admission)")
     parser.add_argument("--no-steady", dest="steady", action="store_false", help="skip row (f)")
     parser.add_argument("--restart", action="store_true",
                         help="after the rows, stop the server and time a second start over the compile caches the "
@@ -783,6 +793,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--gather-rows: comma-separated integers")
     if any(cap < 0 for cap in args.gather_rows):
         parser.error("--gather-rows: each at least 0")
+    try:
+        args.session_headroom = [float(part) for part in args.session_headroom.split(",") if part.strip()]
+    except ValueError:
+        parser.error("--session-headroom: comma-separated numbers")
+    if any(not 0 < share <= 1 for share in args.session_headroom):
+        parser.error("--session-headroom: each more than 0 and at most 1")
     args.heavy_tokens = args.heavy_tokens or (1500 if args.tiny else 26000)
     args.heavy_think = args.heavy_think or (64 if args.tiny else 4096)
     args.deadline = args.deadline or (228.0 if quick else 520.0)

@@ -699,7 +699,8 @@ def bench_routes() -> list[Any]:
     `POST /bench/stages` (the same body): the twin run with the hf runner's stages timed (`StageTimer`),
     its tally and the stages' times. `POST /bench/switch-interval` {ms}: the server process's switch
     interval from now on (`sys.setswitchinterval`). `POST /bench/gather-rows` {rows}: the hf reader's
-    BATCH_GATHER_ROWS from now on (400 for a reader without it)."""
+    BATCH_GATHER_ROWS from now on (400 for a reader without it). `POST /bench/session-headroom`
+    {headroom}: the camera pacer's SESSION_HEADROOM from now on (its estimates kept)."""
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
@@ -737,6 +738,18 @@ def bench_routes() -> list[Any]:
         reader.options = dataclasses.replace(options, gather_rows=rows)
         return JSONResponse({"before": options.gather_rows, "rows": rows})
 
+    async def session_headroom(request: Request) -> JSONResponse:
+        import dataclasses
+
+        pacer = request.app.state.services.pacer
+        share = float((await request.json())["headroom"])
+        if not 0 < share <= 1:
+            return JSONResponse({"error": "headroom must be more than 0 and at most 1"}, status_code=400)
+        before = pacer.rules.headroom
+        pacer.rules = dataclasses.replace(pacer.rules, headroom=share)
+        return JSONResponse({"before": before, "headroom": share})
+
     return [Route("/bench/inprocess", inprocess, methods=["POST"]), Route("/bench/stages", stages, methods=["POST"]),
             Route("/bench/switch-interval", switch_interval, methods=["POST"]),
-            Route("/bench/gather-rows", gather_rows, methods=["POST"])]
+            Route("/bench/gather-rows", gather_rows, methods=["POST"]),
+            Route("/bench/session-headroom", session_headroom, methods=["POST"])]

@@ -64,15 +64,19 @@ def test_bench_gpu_served_tiny_runs(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_bench_gpu_served_runs_each_row_at_each_switch_interval_and_gather_cap(tmp_path):
+def test_bench_gpu_served_runs_each_row_at_each_switch_interval_gather_cap_and_headroom(tmp_path):
     run_bench("bench_gpu_served.py", "--seconds", "1", "--workers", "2", "--sheet-clients", ",", "--ticket-clients", "2",
-              "--walk-clients", ",", "--closed-cameras", ",", "--open-cameras", ",", "--no-steady", "--no-stages",
-              "--switch-intervals", "5,0.2", "--gather-rows", "0,2", "--deadline", "150", out=tmp_path)
+              "--walk-clients", ",", "--closed-cameras", ",", "--open-cameras", "2", "--no-steady", "--no-stages",
+              "--switch-intervals", "5,0.2", "--gather-rows", "0,2", "--session-headroom", "0.5,1",
+              "--deadline", "200", out=tmp_path)
     data = json.loads((tmp_path / "bench_gpu_served.json").read_text())
-    assert [(row["row"], row["switch_ms"], row["gather_rows"]) for row in data["rows"]] == [
-        ("b", 5.0, 0), ("b", 5.0, 2), ("b", 0.2, 0), ("b", 0.2, 2)], data["notes"]
-    assert all(row["served"]["requests"] > 0 and row["name"].endswith(
-        f"switch interval {row['switch_ms']:g} ms, gather rows {row['gather_rows']}") for row in data["rows"])
+    knobs = [(switch, rows, share) for switch in (5.0, 0.2) for rows in (0, 2) for share in (0.5, 1.0)]
+    assert [(row["row"], row["switch_ms"], row["gather_rows"], row["headroom"]) for row in data["rows"]] == [
+        (key, *knob) for key in "be" for knob in knobs], data["notes"]
+    assert all(row["name"].endswith(f"switch interval {row['switch_ms']:g} ms, gather rows {row['gather_rows']}, "
+                                    f"headroom {row['headroom']:g}") for row in data["rows"])
+    assert all(row["served"]["requests"] > 0 for row in data["rows"] if row["row"] == "b")
+    assert all(row["served"]["answers"] > 0 for row in data["rows"] if row["row"] == "e")
 
 
 @pytest.mark.timeout(600)
