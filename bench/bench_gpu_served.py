@@ -412,6 +412,14 @@ def closed_summary(tally: dict[str, Any]) -> dict[str, Any]:
             "errors": tally["errors"], "counts": tally["counts"], "elapsed_s": round(tally["elapsed"], 2)}
 
 
+def knob_note(row: dict[str, Any]) -> str:
+    """The A/B knobs a row ran under (--switch-intervals, --gather-rows, --session-headroom), for a
+    table cell; "" for none."""
+    knobs = [f"{label} {row[key]:g}" for key, label in (("switch_ms", "switch ms"), ("gather_rows", "gather rows"),
+                                                         ("headroom", "headroom")) if row.get(key) is not None]
+    return f" ({', '.join(knobs)})" if knobs else ""
+
+
 def camera_summary(tally: dict[str, Any], seconds: float, admitted: int | None = None) -> dict[str, Any]:
     counts = tally["counts"]
     sent = counts.get("frames sent", 0)
@@ -427,6 +435,8 @@ def camera_summary(tally: dict[str, Any], seconds: float, admitted: int | None =
         "answered_share": answers / sent if sent else float("nan"),
         "fresh_share": sum(1 for age in ages if age <= FRESH_S) / sent if sent else float("nan"),
         "age": ms(ages),
+        # the answer's age plus the next_frame_ms sent with it: what the walk page's 1.5 s guard bounds
+        "age_plus_next": ms(tally.get("guards") or []),
         "next_frame_ms_seen": counts.get("next_frame_ms seen", 0), "errors": tally["errors"], "counts": counts,
     }
 
@@ -585,18 +595,20 @@ def report(results: dict[str, Any]) -> str:
             s, t = p["served"], p.get("twin") or {}
             hint = f"honoured ({s['next_frame_ms_seen']} results)" if s["next_frame_ms_seen"] else "not sent"
             twin_age = (t.get("age") or {})
-            rows.append([p["clients"], s["admitted"], s["refused_1013"], fmt(s["frames_per_s"], 1),
+            guard = s.get("age_plus_next") or {}
+            rows.append([f"{p['clients']}{knob_note(p)}", s["admitted"], s["refused_1013"], fmt(s["frames_per_s"], 1),
                          fmt(s["answers_per_s"], 1), fmt(s["answers_per_s_per_session"], 2),
                          fmt(s["answered_share"] * 100, 0) + " %", fmt(s["fresh_share"] * 100, 0) + " %",
                          fmt(s["age"]["p50_ms"], 0), fmt(s["age"]["p95_ms"], 0), fmt(s["age"]["p99_ms"], 0),
-                         errors_cell(s["errors"], s["counts"]),
+                         fmt(guard.get("p95_ms", float("nan")), 0), errors_cell(s["errors"], s["counts"]),
                          f"{p.get('twin_clients', '-')}: {fmt(t.get('answered_share', float('nan')) * 100, 0)} %, "
                          f"{fmt(twin_age.get('p50_ms', float('nan')), 0)} / {fmt(twin_age.get('p95_ms', float('nan')), 0)}",
                          hint])
         lines += [f"(e) cameras at 2 fps, open loop (answered = answers / frames sent; fresh = answered within "
                   f"{FRESH_S:g} s, what the walk page shows; age in ms, receipt - send of the answered frame):", "",
                   markdown_table(["cameras", "admitted", "refusals (1013)", "frames/s sent", "answers/s",
-                                  "answers/s per session", "answered", "fresh", "age p50", "p95", "p99", "errors / notes",
+                                  "answers/s per session", "answered", "fresh", "age p50", "p95", "p99",
+                                  "age + next_frame_ms p95", "errors / notes",
                                   "in-process (cameras: answered, age p50 / p95)", "next_frame_ms"], rows), ""]
     for p in (p for p in results["rows"] if p["kind"] == "steady"):
         rows = [[name, q["requests"], fmt(q["p50_ms"], 0), fmt(q["p99_ms"], 0), fmt(q["max_ms"], 0),
@@ -657,9 +669,11 @@ def camera_plot(results: dict[str, Any], path: Path) -> Path | None:
     points = [p for p in results["rows"] if p["kind"] == "camera_open"]
     if not points:
         return None
+    knobs = knob_note(points[0])  # under A/B knobs, the curve of their first values
+    points = [p for p in points if knob_note(p) == knobs]
     xs = [p["clients"] for p in points]
     served = [p["served"] for p in points]
-    return plot_panels(path, "djev serve: cameras at 2 fps over /v1/stream", "cameras", xs, [
+    return plot_panels(path, f"djev serve: cameras at 2 fps over /v1/stream{knobs}", "cameras", xs, [
         Panel("answer age, ms", [Series("p50", [s["age"]["p50_ms"] for s in served]),
                                  Series("p95", [s["age"]["p95_ms"] for s in served])]),
         Panel("share", [Series("cameras admitted", [s["admitted"] / max(1, p["clients"]) for s, p in zip(served, points)]),

@@ -149,10 +149,13 @@ class Frames:
 
 @dataclass
 class Tally:
-    """What a row's clients saw: latencies (s), answer ages (s), errors by status or exception, counts."""
+    """What a row's clients saw: latencies (s), answer ages (s), each camera answer's age plus the
+    next_frame_ms sent with it (s: how old the answer on the walk page gets before the next can
+    replace it, which its 1.5 s guard bounds), errors by status or exception, counts."""
 
     latencies: list[float] = field(default_factory=list)
     ages: list[float] = field(default_factory=list)
+    guards: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     elapsed: float = 0.0
@@ -164,8 +167,8 @@ class Tally:
         self.counts[key] = self.counts.get(key, 0) + by
 
     def as_dict(self) -> dict[str, Any]:
-        return {"latencies": self.latencies, "ages": self.ages, "errors": self.errors, "counts": self.counts,
-                "elapsed": self.elapsed}
+        return {"latencies": self.latencies, "ages": self.ages, "guards": self.guards, "errors": self.errors,
+                "counts": self.counts, "elapsed": self.elapsed}
 
 
 def merge(tallies: list[dict[str, Any]]) -> dict[str, Any]:
@@ -174,6 +177,7 @@ def merge(tallies: list[dict[str, Any]]) -> dict[str, Any]:
     for tally in tallies:
         out.latencies += tally["latencies"]
         out.ages += tally["ages"]
+        out.guards += tally.get("guards", [])
         for key, value in tally["errors"].items():
             out.errors[key] = out.errors.get(key, 0) + value
         for key, value in tally["counts"].items():
@@ -370,12 +374,14 @@ async def open_camera_client(url: str, api_key: str, frames: Frames, start: floa
             kind = message.get("type")
             if kind == "result":
                 frame = int(message["frame"])
-                tally.ages.append(now() - sent_at[frame])
+                age = now() - sent_at[frame]
+                tally.ages.append(age)
                 tally.count("answers")
                 settled.add(frame)
                 settled.update(int(number) for number in message.get("dropped") or ())
                 tally.count("dropped", len(message.get("dropped") or ()))
                 hint = hint_s(message, tally)
+                tally.guards.append(age + hint)
                 if hint:  # as the page: the next frame no sooner than next_frame_ms after this one's send
                     not_before[0] = max(not_before[0], sent_at[frame] + hint)
             elif kind == "error":
