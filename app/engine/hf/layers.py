@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
@@ -274,12 +275,30 @@ def _split_forward(layer: TextLayer, inputs: Callable[..., tuple[torch.Tensor, t
     return forward
 
 
+# The vision tower's attention kernels, in priority order. Unlike the text passes', its shapes are
+# few and fixed (images to a bucket x the processor's 2,520 patches), and on CUDA they run as graphs
+# captured before ready, so cuDNN builds its plan for each once, at capture, never in a served turn
+# (the text passes leave cuDNN out for that: `choose_attention_kernels`). Steady, cuDNN took 0.109 /
+# 0.749 ms a layer for 1 / 8 frames against the memory-efficient kernel's 0.272 / 1.955 on the H200
+# (docs/benchmarks.md, the 2026-12-04 probe). Without graphs (CUDA_GRAPHS=0) the first pass of each
+# image count builds its plan on the host: up to 0.6 s, once.
+VISION_ATTENTION = (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                    SDPBackend.MATH)
+
+
+def vision_attention() -> Any:
+    """The kernels the vision tower's attention may take, VISION_ATTENTION first (a context)."""
+    return sdpa_kernel(list(VISION_ATTENTION), set_priority=True)
+
+
 def vision_layer(layer: nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
                  attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> torch.Tensor:
     """A vision encoder layer's own forward, with the layer an argument: compiled once, it serves
-    every layer of the tower (a vision layer reads no layer number)."""
-    return type(layer).forward(layer, hidden_states, position_embeddings=position_embeddings,
-                               attention_mask=attention_mask, position_ids=position_ids)
+    every layer of the tower (a vision layer reads no layer number). Its attention takes
+    VISION_ATTENTION's kernels (inside the compiled body, so the trace of each shape takes them)."""
+    with vision_attention():
+        return type(layer).forward(layer, hidden_states, position_embeddings=position_embeddings,
+                                   attention_mask=attention_mask, position_ids=position_ids)
 
 
 def install_vision(layers: Sequence[nn.Module], compile: Callable[[Callable], Callable] | None = None) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from app.engine.hf.graphs.cache import GraphCache, capture
 from app.engine.hf.graphs.shapes import IMAGE_BUCKETS, bucket_of
+from app.engine.hf.layers import vision_attention
 
 if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
@@ -131,8 +132,9 @@ class VisionGraphs:
         hidden = tower.patch_embedder(graph.pixels, positions, padding)
         mask = (~padding)[:, None, None, :].expand(-1, 1, padding.shape[1], -1)  # every patch sees every real patch
         rotary = tower.encoder.rotary_emb(hidden, positions)
-        for layer in tower.encoder.layers[: config.num_hidden_layers]:
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+        with vision_attention():  # (the compiled layers take them inside too: app/engine/hf/layers.py)
+            for layer in tower.encoder.layers[: config.num_hidden_layers]:
+                hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
         output_length = graph.pixels.shape[-2] // (config.pooling_kernel_size * config.pooling_kernel_size)
         pooled, valid = tower.pooler(hidden_states=hidden, pixel_position_ids=positions, padding_positions=padding,
                                      output_length=output_length)
