@@ -99,6 +99,20 @@ def frames(count: int) -> list[bytes]:
     return out
 
 
+# --vision-attention: which kernel the vision tower's attention tries first (an A/B of
+# app.engine.hf.layers.VISION_ATTENTION, which the served engine takes as it is).
+VISION_KERNELS = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION"}
+
+
+def choose_vision_attention(name: str) -> None:
+    from torch.nn.attention import SDPBackend
+
+    from app.engine.hf import layers
+
+    first = getattr(SDPBackend, VISION_KERNELS[name])
+    layers.VISION_ATTENTION = (first, *(kernel for kernel in layers.VISION_ATTENTION if kernel != first))
+
+
 def build_reader(args: argparse.Namespace) -> Any:
     import torch
     from transformers import DiffusionGemmaConfig
@@ -128,6 +142,7 @@ def build_reader(args: argparse.Namespace) -> Any:
         image_processor = Gemma4ImageProcessorPil()  # Gemma 4's defaults: 16 px patches, 280 soft tokens
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
+    choose_vision_attention(args.vision_attention)
     experts = "grouped_mm" if on_cuda else None
     model = build_model(config, args.device, torch.bfloat16 if on_cuda else torch.float32, experts)
     settings = Settings.of(device=args.device, torch_compile=args.compile, fused_moe=args.fused_moe)
@@ -635,6 +650,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--turnaround", action="store_true",
                         help="only the closed loop at --levels over an engine that answers at once: the decisions' "
                              "own work per decision (use with --tiny on a CPU)")
+    parser.add_argument("--vision-attention", choices=sorted(VISION_KERNELS), default="cudnn",
+                        help="the vision tower's first attention kernel (default cudnn, as served)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=None, help="JSON file (default: $OUT/bench_gpu_decisions.json when $OUT is set)")
@@ -709,12 +726,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"building the {'tiny' if args.tiny else 'full-size'} model on {args.device} ...", flush=True)
     results = asyncio.run(measure(args))
     print()
-    mode = "eager decoder passes" if args.eager else "CUDA-graph decoder passes"
+    mode = ("eager decoder passes" if args.eager else "CUDA-graph decoder passes") + \
+        f", vision attention {args.vision_attention} first"
     print(header(f"bench_gpu_decisions: whole decisions through Decider + HFReader ({mode})", info))
     print()
     print(report(results, args))
     if args.out:
-        print(f"results: {write_json(args.out, {'machine': info, **results})}")
+        data = {"machine": info, "vision_attention": args.vision_attention, **results}
+        print(f"results: {write_json(args.out, data)}")
 
 
 if __name__ == "__main__":

@@ -46,3 +46,17 @@ def test_the_gather_knob_refuses_a_negative_cap_and_a_reader_without_one():
     response = client.post("/bench/gather-rows", json={"rows": -1})
     assert response.status_code == 400 and "rows" in response.json()["error"]
     assert knob_app(reader=SimpleNamespace()).post("/bench/gather-rows", json={"rows": 8}).status_code == 400
+
+
+def test_the_vision_attention_knob_puts_one_kernel_first_and_keeps_the_rest(monkeypatch):
+    from torch.nn.attention import SDPBackend
+
+    from app.engine.hf import layers
+    from bench.bench_gpu_decisions import choose_vision_attention
+
+    served = layers.VISION_ATTENTION
+    assert served[0] == SDPBackend.CUDNN_ATTENTION and served[-1] == SDPBackend.MATH
+    monkeypatch.setattr(layers, "VISION_ATTENTION", served)
+    choose_vision_attention("efficient")
+    assert layers.VISION_ATTENTION[0] == SDPBackend.EFFICIENT_ATTENTION
+    assert set(layers.VISION_ATTENTION) == set(served) and len(layers.VISION_ATTENTION) == len(served)
