@@ -114,6 +114,18 @@ def test_probe_gpu_turns_tiny_runs(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_probe_gpu_vision_tiny_runs(tmp_path):
+    result = run_bench("probe_gpu_vision.py", "--repeats", "1", "--out", str(tmp_path / "vision.json"), out=tmp_path)
+    data = json.loads((tmp_path / "vision.json").read_text())
+    assert [(row["layers"], row["kernel_first"]) for row in data["rows"]] == [
+        ("eager", "cudnn"), ("eager", "efficient"), ("compiled", "cudnn"), ("compiled", "efficient")]
+    assert all(row[f"ms_{count}"] > 0 for row in data["rows"] for count in (1, 4, 8))
+    assert all(row["attention_seen"] for row in data["rows"])  # the profiler named the attention it ran
+    assert data["real_patches"] > 0 and not data["graphed"]
+    assert "| compiled | cudnn |" in result["stdout"]
+
+
+@pytest.mark.timeout(300)
 def test_probe_gpu_sdpa_tiny_runs(tmp_path):
     result = run_bench("probe_gpu_sdpa.py", "--repeats", "2", "--out", str(tmp_path / "sdpa.json"), out=tmp_path)
     data = json.loads((tmp_path / "sdpa.json").read_text())
