@@ -29,22 +29,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_gpu import FULL_TEXT_CONFIG, build_model  # noqa: E402
-from bench.bench_gpu_decisions import frames  # noqa: E402
+from bench.bench_gpu_decisions import choose_vision_attention, frames  # noqa: E402
 from bench.common import header, machine, markdown_table, write_json  # noqa: E402
 
 FRAME_COUNTS = (1, 4, 8)
+# The kernel each row's vision attention tries first (bench_gpu_decisions' --vision-attention names):
+# the engine's order, then the memory-efficient kernel first.
+KERNELS_FIRST = ("cudnn", "efficient")
 # Operator and kernel names that belong to attention (the profiler's keys, lowercased).
 ATTENTION_WORDS = ("attention", "attn", "fmha", "cudnn", "flash", "sdpa", "efficient")
-
-
-def kernel_orders() -> dict[str, tuple[Any, ...]]:
-    """The vision tower's kernel priority orders to compare: the engine's (cuDNN first) and the
-    memory-efficient kernel first."""
-    from torch.nn.attention import SDPBackend
-
-    rest = (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH)
-    return {"cudnn": (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, *rest),
-            "efficient": (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, *rest)}
 
 
 def build(tiny: bool, device: str) -> tuple[Any, Any]:
@@ -116,10 +109,9 @@ def attention_seen(call: Callable[[], object], device: torch.device) -> dict[str
 
 def probe(model: Any, inputs: tuple[torch.Tensor, torch.Tensor], device: torch.device, label: str,
           order_name: str, graphed: bool, repeats: int) -> dict[str, Any]:
-    from app.engine.hf import layers
     from app.engine.hf.graphs.vision import VisionGraphs
 
-    layers.VISION_ATTENTION = kernel_orders()[order_name]
+    choose_vision_attention(order_name)  # (app.engine.hf.layers.VISION_ATTENTION, reordered)
     pixels, positions = inputs
     graphs = VisionGraphs(model, device, capture=graphed, buckets=FRAME_COUNTS)
     row: dict[str, Any] = {"layers": label, "kernel_first": order_name, "graphed": graphed}
@@ -148,7 +140,7 @@ def main() -> int:
     inputs = frame_inputs(model, processor, args.device, max(FRAME_COUNTS))
     real = int((inputs[1][0] != -1).all(dim=-1).sum())
     rows = []
-    for order in kernel_orders():
+    for order in KERNELS_FIRST:
         rows.append(probe(model, inputs, device, "eager", order, graphed, args.repeats))
         if graphed:
             torch.cuda.empty_cache()
@@ -158,7 +150,7 @@ def main() -> int:
         from app.engine.hf.compiled import compile_layers
 
         compile_layers(model)
-        for order in kernel_orders():
+        for order in KERNELS_FIRST:
             dynamo.reset()  # each order traced afresh: a trace keeps the kernel it chose
             rows.append(probe(model, inputs, device, "compiled", order, graphed, args.repeats))
             if graphed:
