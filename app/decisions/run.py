@@ -49,7 +49,10 @@ from app.decisions.template import JOIN, LINES, TemplateItem, Templates, answer_
 from app.engine.base import Prompt, Reader, gather_or_cancel
 
 # A decision within these bounds plans, templates and estimates in well under a millisecond each, less
-# than a trip to a worker thread, so its synchronous pieces run inline (docs/reliability.md).
+# than a trip to a worker thread, so its synchronous pieces run inline (docs/reliability.md). Images
+# do not count: the pieces read only how many there are (each is one placeholder id; the engine
+# decodes and hashes them off the loop), and a walk frame's five hops to the worker pool cost the
+# server 0.9 ms of CPU more than the pieces themselves (docs/benchmarks.md, bench_overhead).
 SMALL_STATE_CHARS = 8 * 1024
 SMALL_OPTIONS = 64
 SMALL_CANVASES = 16
@@ -130,8 +133,7 @@ class Decider:
         # each prompt of the state reads its draws; with `prior`, each may read its sheet's prior once
         canvases = group_count * (decision.samples.count + PRIOR_DRAWS * decision.debias.prior)
         options = sum(len(q.alternatives) for q in decision.questions)
-        small = (not decision.images and len(decision.state_text) <= SMALL_STATE_CHARS
-                 and options <= SMALL_OPTIONS and canvases <= SMALL_CANVASES)
+        small = len(decision.state_text) <= SMALL_STATE_CHARS and options <= SMALL_OPTIONS and canvases <= SMALL_CANVASES
         return Plan(fmt, labels, layered, chained, canvases, thought_tokens, small)
 
     def labels_for(self, question: Question, fmt: str) -> tuple[str, ...]:

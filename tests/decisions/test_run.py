@@ -345,6 +345,30 @@ def test_t11_image_think_seeds_the_thought_into_the_canvas(scripted, tokenizer):
     assert thought["tokens"] == len(scripted.thought) and thought["closed"] and thought["budget"] <= 64
 
 
+@pytest.mark.parametrize("images, state, offloaded", [
+    (1, STATE, False),  # a walk frame: its pieces read the image count only, so they run inline
+    (8, STATE, False),
+    (0, STATE, False),
+    (1, {"ticket": "x" * (16 * 1024)}, True),  # a long state: tokenizing it grows with it
+])
+def test_small_decisions_run_their_pieces_inline_images_or_not(scripted, images, state, offloaded):
+    """A decision within the small bounds (state, options, canvases) runs its synchronous pieces
+    (prompt, specs, estimates) on the spot, with images too; past them, through the offload."""
+    calls = []
+
+    async def offload(fn, *args):
+        calls.append(fn)
+        return fn(*args)
+
+    decider = Decider(scripted, build.read_settings(Settings.of(canvas=64)), offload=offload)
+    decision = parse_decision({"state": state, "questions": SCHEMA, "samples": 1}, LIMITS, images=image_inputs(images))
+    plan = decider.plan(decision)
+    outcome = asyncio.run(decider.decide(decision, plan))
+    assert plan.small is not offloaded
+    assert bool(calls) is offloaded
+    assert set(outcome.answers) == set(SCHEMA)
+
+
 def test_t11_image_think_is_clipped_to_the_canvas(scripted):
     outcome = decide_with_images(scripted, image_inputs(), think=4096, samples=1)
     assert outcome.diagnostics["thought"]["budget"] < 4096
