@@ -35,6 +35,7 @@ import anyio
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from app.decisions.plan import Plan
 from app.decisions.request import Decision, parse_decision
 from app.engine.base import ImageInput
 from app.engine.starting import StartingReader
@@ -102,6 +103,9 @@ class StreamSession:
         self.services = services
         self.ws = websocket
         self.decision: Decision | None = None
+        # The plan of the configured decision with a frame, made at its first frame and kept for the
+        # next ones: a plan reads only how many images a decision has, never their bytes.
+        self.planned: tuple[Decision, Plan] | None = None
         self.pending: _Frame | None = None
         self.frames = 0
         self.decided = 0
@@ -246,10 +250,16 @@ class StreamSession:
             await self.send_error(HTTPError(409, "send a config message before frames", param="config"), frame.number)
             return
         started = time.monotonic()
-        decision = dataclasses.replace(self.decision, images=(frame.image,))
+        configured = self.decision
+        decision = dataclasses.replace(configured, images=(frame.image,))
         try:
-            # The frame was checked when it arrived (frame_from_bytes): only the plan is made here.
-            plan = await self.services.offload(priced_plan, self.services, decision)
+            # The frame was checked when it arrived (frame_from_bytes): only the plan is made here,
+            # once per config.
+            if self.planned is not None and self.planned[0] is configured:
+                plan = self.planned[1]
+            else:
+                plan = await self.services.offload(priced_plan, self.services, decision)
+                self.planned = (configured, plan)
             outcome = await decide(self.services, Prepared(decision, plan, None), "stream")
         except Exception as exc:  # noqa: BLE001 - a frame that fails is reported; the session goes on
             await self.send_error(exc, frame.number)

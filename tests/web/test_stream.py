@@ -172,6 +172,33 @@ def test_the_config_can_change_mid_session_and_frames_may_be_data_urls(scripted_
         assert receive(ws, "pong")["t"] == 5
 
 
+def test_a_session_plans_once_per_config(tokenizer, monkeypatch):
+    """A frame's plan is its config's (a plan reads how many images, never their bytes): made at a
+    config's first frame and reused, made anew after a config change."""
+    import app.web.stream as stream_module
+
+    plans = []
+    real = stream_module.priced_plan
+
+    def counted(svc, decision):
+        plans.append([q.qid for q in decision.questions])
+        return real(svc, decision)
+
+    monkeypatch.setattr(stream_module, "priced_plan", counted)
+    with live_server(create_app(Settings(), ScriptedReader(tokenizer, conf=0.9))) as url, connect(ws_url(url)) as ws:
+        configure(ws)
+        for frame in (GREY, RED, GREY):
+            ws.send(frame)
+            assert set(receive(ws, "result")["answers"]) == {"ahead", "side"}
+        other = {"state": "a frame", "samples": 1, "questions": {"lit": {"type": "noul", "instructions": "Is it lit?"}}}
+        ws.send(json.dumps({"type": "config", "request": other}))
+        receive(ws, "configured")
+        for frame in (GREY, RED):
+            ws.send(frame)
+            assert list(receive(ws, "result")["answers"]) == ["lit"]
+    assert plans == [["ahead", "side"], ["lit"]]
+
+
 def test_config_errors_are_reported_without_closing(scripted_server):
     url, _ = scripted_server
     with connect(ws_url(url)) as ws:
