@@ -361,6 +361,9 @@ class Row:
     headroom: float | None = None  # the camera pacer's SESSION_HEADROOM for this row (--session-headroom)
 
 
+ROW_KEYS = ("a", "b", "c", "d", "e", "f")
+
+
 def plan(args: argparse.Namespace) -> list[Row]:
     rows = [Row("a", "own question sheet each request", "rest", n, "sheets", "sheets") for n in args.sheet_clients]
     rows += [Row("b", "one sheet (the ticket)", "rest", n, "ticket", "ticket") for n in args.ticket_clients]
@@ -369,6 +372,8 @@ def plan(args: argparse.Namespace) -> list[Row]:
     rows += [Row("e", "cameras at 2 fps (/v1/stream)", "camera_open", n, twin="cameras_open") for n in args.open_cameras]
     if args.steady:
         rows.append(Row("f", "steady ticket client beside heavy requests", "steady", 1 + len(HEAVY_KINDS)))
+    if args.rows:
+        rows = [row for row in rows if row.key in args.rows]
     # Each row once per interval (and gather cap), one after the other, so the runs of an A/B meet
     # the same host and caches.
     if args.switch_intervals:
@@ -755,6 +760,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--session-headroom", default="", help="run every row once per camera pacer "
                         "SESSION_HEADROOM (comma-separated shares in (0, 1], e.g. 0.8,0.92: an A/B of the admission)")
     parser.add_argument("--no-steady", dest="steady", action="store_false", help="skip row (f)")
+    parser.add_argument("--rows", default="", help="run only these rows, by letter (e.g. c,d,e: the walk and "
+                        "camera rows of an A/B; default all)")
     parser.add_argument("--restart", action="store_true",
                         help="after the rows, stop the server and time a second start over the compile caches the "
                              "first left in CACHE_DIR (a restart)")
@@ -813,6 +820,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--session-headroom: comma-separated numbers")
     if any(not 0 < share <= 1 for share in args.session_headroom):
         parser.error("--session-headroom: each more than 0 and at most 1")
+    args.rows = sorted({part.strip() for part in args.rows.split(",") if part.strip()})  # a list: JSON
+    if not set(args.rows) <= set(ROW_KEYS):
+        parser.error(f"--rows: letters among {', '.join(ROW_KEYS)}")
     args.heavy_tokens = args.heavy_tokens or (1500 if args.tiny else 26000)
     args.heavy_think = args.heavy_think or (64 if args.tiny else 4096)
     args.deadline = args.deadline or (228.0 if quick else 520.0)
