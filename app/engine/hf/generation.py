@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generator
 
 import torch
 
-from app.engine.base import EngineInputError, GenerateChunk, GenerateResult, GenerateSpec, Prompt
-from app.engine.hf.prompts import EncodedPrompt, Preprocessed, cache_kv
+from app.engine.base import CacheKey, EngineInputError, GenerateChunk, GenerateResult, GenerateSpec, Prompt
+from app.engine.hf.prompts import EncodedPrompt, Preprocessed, PromptCache, cache_kv
 from app.engine.hf.sampler import sample_step, temperature_at
 
 if TYPE_CHECKING:
@@ -43,9 +43,17 @@ class GenerationMixin:
     vocab_size: int
     generation: dict[str, float]
     stats: Counter[str]
+    prompts: PromptCache[CacheKey, EncodedPrompt]
 
     if TYPE_CHECKING:  # PromptEncodingMixin's and DiffusionRunner's own
         def _encode_into_cache(self, prompt: Prompt, preprocessed: Preprocessed | None = None) -> tuple[DynamicCache, int]:
+            ...
+
+        def cache_holding(self, encoded: EncodedPrompt) -> DynamicCache: ...
+
+        def needs_chunks(self, prompt: Prompt) -> bool: ...
+
+        def encode_steps(self, prompt: Prompt, preprocessed: Preprocessed | None = None) -> Generator[None, None, EncodedPrompt]:
             ...
 
         def _generator(self, seed: int) -> torch.Generator: ...
@@ -54,21 +62,38 @@ class GenerationMixin:
 
         def finish_turn(self) -> None: ...
 
-    @torch.no_grad()
     def start_generation(
         self, spec: GenerateSpec, canvas_length: int, preprocessed: Preprocessed | None = None,
     ) -> "Generation":
-        """A generation ready to step: its prompt encoded into a KV cache of its own, which generation
-        extends block by block (a short text prompt is encoded like a read's, through the prompt LRU
-        or an encoder graph, and its KV loaded into that cache; see `_encode_into_cache`).
-        `preprocessed`: the prompt's images, already decoded off this thread (HFReader)."""
+        """`start_steps` run to its end, in one call (tests and benches; the engine steps it)."""
+        steps = self.start_steps(spec, canvas_length, preprocessed)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+
+    def start_steps(
+        self, spec: GenerateSpec, canvas_length: int, preprocessed: Preprocessed | None = None,
+    ) -> Generator[None, None, "Generation"]:
+        """A generation ready to step, its prompt encoded into a KV cache of its own that generation
+        extends block by block, as a stepwise generator like `read_steps`: a prompt of more than
+        `prefill_chunk` tokens is encoded in chunks like a read's (`encode_steps`, a yield between two),
+        so no turn of a generation encodes more than a read's turn does, and a prompt in the LRU is
+        taken from there; any other prompt in one pass (`_encode_into_cache`). `preprocessed`: the
+        prompt's images, already decoded off this thread (HFReader)."""
         if not (math.isfinite(spec.temperature) and spec.temperature >= 0.0):
             raise EngineInputError(f"temperature must be a number >= 0, got {spec.temperature}", param="temperature")
         if not (math.isfinite(spec.top_p) and 0.0 < spec.top_p <= 1.0):
             raise EngineInputError(f"top_p must be in (0, 1], got {spec.top_p}", param="top_p")
         if spec.max_tokens < 0:
             raise EngineInputError(f"max_tokens must be >= 0, got {spec.max_tokens}", param="max_tokens")
-        cache, length = self._encode_into_cache(spec.prompt, preprocessed)
+        if self.needs_chunks(spec.prompt) or spec.prompt.cache_key in self.prompts:
+            encoded = yield from self.encode_steps(spec.prompt, preprocessed)
+            cache, length = self.cache_holding(encoded), encoded.length
+        else:
+            with torch.no_grad():
+                cache, length = self._encode_into_cache(spec.prompt, preprocessed)
         # Greedy decoding owes nothing to the seed: its starting canvas comes from a fixed one.
         generator = self._generator(spec.seed if spec.temperature > 0.0 else 0)
         return Generation(spec=spec, canvas_length=canvas_length, cache=cache, length=length,

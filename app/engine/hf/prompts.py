@@ -634,15 +634,22 @@ class PromptEncodingMixin:
             return source, length, suffix
         return None
 
-    def _encode_over(self, prefix: EncodedPrompt, ids: list[int]) -> Layers:
-        """`ids` encoded eagerly over `prefix`'s KV as a long prompt's chunk is (`ChunkMask`): the
-        whole prompt's layers."""
+    def cache_holding(self, encoded: EncodedPrompt) -> DynamicCache:
+        """A fresh cache holding an encoded prompt's KV as it is (the LRU's tensors: a pass over it
+        concatenates onto them, never writes into them), each sliding layer counting the whole
+        prompt as seen, as one eager pass over the prompt leaves a cache."""
         from transformers.cache_utils import CacheLayerMixin
 
         cache = self._new_cache()
-        for layer, (keys, values) in zip(cache.layers, prefix.layers):
+        for layer, (keys, values) in zip(cache.layers, encoded.layers):
             assert isinstance(layer, CacheLayerMixin)
-            hold(layer, keys, values, prefix.length)
+            hold(layer, keys, values, encoded.length)
+        return cache
+
+    def _encode_over(self, prefix: EncodedPrompt, ids: list[int]) -> Layers:
+        """`ids` encoded eagerly over `prefix`'s KV as a long prompt's chunk is (`ChunkMask`): the
+        whole prompt's layers."""
+        cache = self.cache_holding(prefix)
         encoder = self.model.model.encoder
         with torch.no_grad():
             tokens = torch.tensor([ids], dtype=torch.long, device=self.device)

@@ -196,6 +196,7 @@ class _GenerateJob:
         self.spec = spec
         self.images = images  # for its first pass (the prompt's encoding)
         self.chunks: asyncio.Queue[GenerateChunk | BaseException] = asyncio.Queue()
+        self.starting: Generator[None, None, Generation] | None = None  # its prompt's encoding, stepwise
         self.state: Generation | None = None  # the runner's Generation, once its prompt is encoded
         self.cancelled = False
 
@@ -610,8 +611,12 @@ class HFReader:
             self._queue.append(job)
 
     def _generation_pass(self, job: _GenerateJob, images: Preprocessed) -> GenerateChunk | None:
-        if job.state is None:
-            job.state = self.runner.start_generation(job.spec, self.info.canvas_length, images)
+        if job.state is None:  # its prompt's encoding first: a long one a chunk a turn, like a read's
+            if job.starting is None:
+                job.starting = self.runner.start_steps(job.spec, self.info.canvas_length, images)
+            done, job.state = advance(job.starting)
+            if done:
+                job.starting = None
             return None
         return self.runner.step_generation(job.state)
 

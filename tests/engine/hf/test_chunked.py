@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from app.engine.base import ImageInput, Prompt
+from app.engine.base import GenerateSpec, ImageInput, Prompt
 from app.engine.hf.runner import run_steps
 from tests.conftest import make_tiny_reader
 from tests.engine.hf.graphs.test_encoder import assert_same_kv, jpeg
@@ -278,3 +278,74 @@ def test_only_long_uncached_prompts_count_against_a_batchs_encoding(tiny_dir):
     assert runner.long_encoding(short) == 0 and runner.long_encoding(long) == 60
     runner.encode_many([long])
     assert runner.long_encoding(long) == 0  # in the LRU now: nothing to encode
+
+
+def long_generation(tokenizer, max_tokens: int = 40):
+    """A think-like generation over a prompt past the sliding window (greedy: the ids owe nothing to
+    noise, so two encodings of its prompt that agree give the same ids)."""
+    prompt = Prompt(tuple(tokenizer.render_chat("Think.", LONG_STATE, 0, thinking=True)))
+    return GenerateSpec(prompt, max_tokens, (), seed=3, temperature=0.0)
+
+
+@torch.no_grad()
+def test_a_generations_long_prompt_is_encoded_in_chunks_and_generates_as_encoded_whole(tiny_dir, tokenizer):
+    spec = long_generation(tokenizer)
+    whole = make_tiny_reader(tiny_dir).runner  # PREFILL_CHUNK's default: one pass
+    chunked = make_tiny_reader(tiny_dir, prefill_chunk=48).runner
+    assert not whole.needs_chunks(spec.prompt) and chunked.needs_chunks(spec.prompt)
+    assert whole.generate(spec, 32).ids == chunked.generate(spec, 32).ids
+    assert chunked.stats["encoder_chunks"] == -(-len(spec.prompt.ids) // 48)
+    # Its prompt is in the LRU now: a second generation over it encodes nothing before its first pass.
+    passes = chunked.stats["encoder_passes"]
+    state = chunked.start_generation(spec, 32)
+    assert chunked.stats["encoder_passes"] == passes and state.length == len(spec.prompt.ids)
+
+
+def test_no_generation_turn_encodes_more_than_prefill_chunk_tokens(tiny_dir, tokenizer):
+    """Through the reader: a generation's long prompt takes a chunk a turn, like a read's, and a short
+    read sent meanwhile is answered before the generation's prompt is encoded."""
+    reader = make_tiny_reader(tiny_dir, prefill_chunk=48)
+    runner = reader.runner
+    spec = long_generation(tokenizer, max_tokens=20)
+    encoded: list[int] = []  # tokens through the encoder in the turn running now
+    per_turn: list[int] = []
+
+    def count(module, args, kwargs):
+        embeds = kwargs.get("inputs_embeds")
+        ids = kwargs.get("input_ids")
+        encoded.append(int((embeds if embeds is not None else ids).shape[1]))
+
+    step = reader._generation_pass
+
+    def turn(*args):
+        encoded.clear()
+        try:
+            return step(*args)
+        finally:
+            per_turn.append(sum(encoded))
+
+    handle = runner.model.model.encoder.language_model.register_forward_pre_hook(count, with_kwargs=True)
+    reader._generation_pass = turn
+    order: list[str] = []
+
+    async def scenario():
+        await reader.start()
+        task = asyncio.create_task(reader.generate(spec))
+        task.add_done_callback(lambda _: order.append("generation"))
+        await asyncio.sleep(0)  # queued first
+        await reader.read([spec_for(tokenizer, "short", "q1: yes", [5])])
+        order.append("short")
+        first_encoding_turns = sum(1 for tokens in per_turn if tokens)
+        result = await task
+        await reader.stop()
+        return first_encoding_turns, result
+
+    try:
+        turns_when_short_done, result = asyncio.run(scenario())
+    finally:
+        handle.remove()
+    chunks = -(-len(spec.prompt.ids) // 48)
+    assert len(result.ids) == 20
+    assert max(per_turn) <= 48, per_turn
+    assert sum(per_turn[:chunks]) == len(spec.prompt.ids)  # the prompt, a chunk a turn
+    assert order == ["short", "generation"] and turns_when_short_done < chunks

@@ -35,7 +35,7 @@ def recorded(reader):
     runner = reader.runner
     runner.image_processor = ThreadRecorder(runner.image_processor)
     runner.read = ThreadRecorder(runner.read)
-    runner.start_generation = ThreadRecorder(runner.start_generation)
+    runner.start_steps = ThreadRecorder(runner.start_steps)
     return reader
 
 
@@ -106,7 +106,7 @@ def test_an_image_generation_is_preprocessed_off_the_engine_thread(tiny_dir, tok
 
     generated = run_started(reader, scenario)
     runner = reader.runner
-    assert runner.start_generation.threads and all(n.startswith("djev-engine") for n in runner.start_generation.threads)
+    assert runner.start_steps.threads and all(n.startswith("djev-engine") for n in runner.start_steps.threads)
     assert len(runner.image_processor.threads) == 1
     assert runner.image_processor.threads[0].startswith("djev-images")
     assert runner.stats["images_preprocessed_inline"] == 0 and reader.images_held == 0

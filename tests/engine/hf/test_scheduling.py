@@ -93,10 +93,12 @@ class FakeRunner:
         return [ReadResult(slots=tuple((SlotRead((-0.5, -1.0), 1),) for _ in s.canvases), prompt_tokens=1)
                 for s in specs]
 
-    def start_generation(self, spec, canvas_length, preprocessed=None):
+    def start_steps(self, spec, canvas_length, preprocessed=None):
+        """Like DiffusionRunner.start_steps for a short prompt: one step, its encoding."""
         time.sleep(self.delay)
         self.log.append(("encode", spec.seed))
         return {"spec": spec, "done": 0}
+        yield  # (a generator, as the runner's is)
 
     def step_generation(self, state):
         time.sleep(self.delay)
