@@ -253,8 +253,10 @@ def level(clients: int, processes: int, seconds: float, workload: str = "ticket"
         server.kill()
         raise SystemExit("the server did not come up")
     shares = [clients // processes + (1 if i < clients % processes else 0) for i in range(processes)]
-    workers = [context.Process(target=client_main, args=(f"http://127.0.0.1:{port}", share, seconds + CLIENTS_AFTER_S, i, workload, armed, go, latencies),
-                               daemon=True) for i, share in enumerate(shares) if share]
+    url = f"http://127.0.0.1:{port}"
+    workers = [context.Process(target=client_main, daemon=True,
+                               args=(url, share, seconds + CLIENTS_AFTER_S, i, workload, armed, go, latencies))
+               for i, share in enumerate(shares) if share]
     for worker in workers:
         worker.start()
     for _ in workers:
