@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.engine.base import ReaderInfo, StartupProgress
+from app.engine.hf.memory import MemorySplit, unique_bytes
 from app.engine.hf.reader import HFOptions, HFReader, settle_heap
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         hf_tokenizer, vocab_size=int(text_config(model).vocab_size), image_token_id=int(image_token_id)
     )
     max_prompt_tokens = sized_prompt_limit(model, device, options.max_prompt_tokens)
+    weights = unique_bytes(model)
     runner = DiffusionRunner(
         model,
         image_processor,
@@ -123,12 +125,18 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         report("compiling", 0, 1)
         log.info("compiling the model's layers before the first request (TORCH_COMPILE) ...")
         log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
-    if runner.graphs is not None:
-        prepare_graphs(runner, report)
+    graph_bytes = prepare_graphs(runner, report) if runner.graphs is not None else 0
     # torch.compile's stance stays "default": under "eager_on_recompile" the passes that run outside
     # the graphs (the counted fallbacks, the large encoder passes, the chunks of long prompts) ran
     # their pieces eagerly, 4x slower on the H200, while no recompile happened under "default" in
     # the same workloads (docs/benchmarks.md). A compile after ready is counted instead (HFReader).
+    degraded = None
+    if on_cuda:
+        split = memory_split(runner, weights, graph_bytes, options.max_prompt_tokens)
+        log.info("%s", split.line())
+        degraded = split.forced()
+        if degraded is not None:
+            log.warning("%s (/health says degraded)", degraded)
     settle_heap()  # at start-up, so the count's walk of the heap costs nothing under load
     log.info("%d objects set aside from the garbage collector's full passes", gc.get_freeze_count())
     device_label = torch.cuda.get_device_name(device) if on_cuda else "cpu"
@@ -141,7 +149,19 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         checkpoint=checkpoint,
         max_prompt_tokens=max_prompt_tokens,
     )
-    return HFReader(runner, tokenizer, info, options)
+    return HFReader(runner, tokenizer, info, options, degraded=degraded)
+
+
+def memory_split(runner: DiffusionRunner, weights: int, graph_bytes: int, requested_prompt_tokens: int) -> MemorySplit:
+    """How the CUDA device's memory went at start (`MemorySplit`), after the graphs."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(runner.device)
+    wanted = requested_prompt_tokens or CUDA_PROMPT_TOKENS
+    return MemorySplit(total=total, free=free, weights=weights, graphs=graph_bytes,
+                       prompt_tokens=runner.max_prompt_tokens, prompt_wanted=wanted,
+                       prompt_forced=not requested_prompt_tokens and runner.max_prompt_tokens < CUDA_PROMPT_TOKENS,
+                       held=runner.graphs_held(), left_out=runner.graphs_left_out)
 
 
 # MAX_PROMPT_TOKENS=0: this many on CUDA where the free memory allows, else the CPU's.
@@ -203,9 +223,10 @@ def sized_prompt_limit(model: DiffusionGemmaForBlockDiffusion, device: Any, requ
 GRAPH_RESERVE_BYTES = 12 * 2**30
 
 
-def prepare_graphs(runner: DiffusionRunner, progress: StartupProgress) -> None:
+def prepare_graphs(runner: DiffusionRunner, progress: StartupProgress) -> int:
     """Capture the shape policy's whole set (app/engine/hf/graphs/shapes.py) before `ready`, then
-    freeze it: nothing is captured while serving."""
+    freeze it: nothing is captured while serving. Returns the device memory the graphs keep (their
+    pools and static buffers: what the allocator holds more than before, its cache emptied)."""
     import time
 
     import torch
@@ -214,6 +235,8 @@ def prepare_graphs(runner: DiffusionRunner, progress: StartupProgress) -> None:
     from app.engine.hf.graphs.cache import CAPTURE_PHASES
 
     started = time.perf_counter()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved(runner.device)
     sample = sample_image_prompt(runner) if runner.image_processor is not None else None
     held = runner.prepare_graphs(progress, reserve_bytes=GRAPH_RESERVE_BYTES, sample_image=sample)
     runner.clear_caches()
@@ -224,6 +247,7 @@ def prepare_graphs(runner: DiffusionRunner, progress: StartupProgress) -> None:
     kinds = ", ".join(f"{kind} {runner.stats[f'{kind}_graph_build_ms'] / 1000:.1f} s" for kind in held)
     log.info("CUDA graphs captured in %.1f s (%s; by kind: %s): %s (%.2f GiB)", time.perf_counter() - started, phases,
              kinds, held, runner.graph_memory_bytes() / 2**30)
+    return torch.cuda.memory_reserved(runner.device) - reserved
 
 
 def _silent(phase: str, done: int, total: int) -> None:

@@ -226,7 +226,8 @@ class HFReader:
     image_workers = min(4, os.cpu_count() or 1)
     image_budget = 64
 
-    def __init__(self, runner: DiffusionRunner, tokenizer: ChatTokenizer, info: ReaderInfo, options: HFOptions) -> None:
+    def __init__(self, runner: DiffusionRunner, tokenizer: ChatTokenizer, info: ReaderInfo, options: HFOptions, *,
+                 degraded: str | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.info = info
@@ -244,7 +245,7 @@ class HFReader:
         self._allocations = runner.allocator_counts()  # the allocator's (device allocations, retries) after the last turn
         self._image_executor: ThreadPoolExecutor | None = None
         self._images_held = 0  # preprocessed images reserved or riding with queued jobs
-        self._degraded: str | None = None  # why the engine runs degraded, when it has to (`degraded`)
+        self._degraded = degraded  # why the engine serves less than its defaults (`degraded`): the card's memory
 
     @property
     def stats(self) -> dict[str, float]:

@@ -152,6 +152,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
                                   sliding_window=int(getattr(self.text_config, "sliding_window", None) or max_prompt_tokens))
         self.graphs: DecoderGraphs | None = None
         self.encoder_graphs: EncoderGraphs | None = None
+        self.graphs_left_out: dict[str, int] = {}  # by kind: shapes `prepare_graphs` could not hold
         self.vision_graphs: VisionGraphs | None = None
         if cuda_graphs and device.type == "cuda":
             self.use_graphs(capture=True)
@@ -203,6 +204,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
                 continue
             job()
         report("capturing graphs", len(jobs), len(jobs))
+        self.graphs_left_out = dict(skipped)
         if skipped:
             log.warning("graphs left out, after a failed capture or to keep %.1f GiB of GPU memory free (their "
                         "passes run eagerly, counted): %s", reserve_bytes / 2**30, dict(skipped))
