@@ -27,8 +27,20 @@ SKIPPING = {
 }
 
 
-def open_playground(page_factory, url: str, fragment: str = ""):
+# Delays every camera start by this long, so a click right after choosing a webcam mode always
+# lands while the camera is still starting (a fast fake camera may win the race otherwise).
+SLOW_CAMERA = """(() => {
+  const devices = navigator.mediaDevices;
+  const getUserMedia = devices.getUserMedia.bind(devices);
+  devices.getUserMedia = (constraints) =>
+    new Promise((resolve) => setTimeout(resolve, %d)).then(() => getUserMedia(constraints));
+})()"""
+
+
+def open_playground(page_factory, url: str, fragment: str = "", camera_delay_ms: int = 0):
     page = page_factory()
+    if camera_delay_ms:
+        page.add_init_script(SLOW_CAMERA % camera_delay_ms)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.goto(f"{url}/{fragment}")
@@ -186,3 +198,42 @@ def test_realtime_streams_frames_over_the_websocket(page_server, page_factory):
     assert int(page.get_attribute("#rt-count", "data-sent")) == sent  # stopped
     assert page.inner_text("#rt-toggle") == "Start"
     assert page.errors == []
+
+
+def textarea_ids(page) -> list[str]:
+    return list(json.loads(page.input_value("#request"))["questions"])
+
+
+def record_configs(page) -> list[list[str]]:
+    """The question ids of every config message the page sends over a /v1/stream websocket."""
+    configs: list[list[str]] = []
+
+    def on_frame(payload) -> None:
+        message = json.loads(payload) if isinstance(payload, str) else None
+        if isinstance(message, dict) and message.get("type") == "config":
+            configs.append(list(message["request"]["questions"]))
+
+    page.on("websocket", lambda ws: ws.on("framesent", on_frame))
+    return configs
+
+
+def wait_decided(page, at_least: int) -> None:
+    page.wait_for_function(
+        f"() => Number(document.getElementById('rt-count').dataset.decided) >= {at_least}", timeout=TIMEOUT_MS)
+
+
+def test_realtime_started_at_once_answers_the_request_on_screen(page_server, page_factory):
+    # Start clicked while the camera is still starting: the camera example it swaps in is what the
+    # session is configured with, not the ticket example the textarea held at the click.
+    page = open_playground(page_factory, page_server, camera_delay_ms=1000)
+    configs = record_configs(page)
+    page.select_option("#mode", "realtime")
+    page.click("#rt-toggle")
+    wait_decided(page, 3)
+    assert textarea_ids(page) == ["scene", "hand"]
+    assert [row[0] for row in rows(page)] == textarea_ids(page)
+    assert configs and all(ids == textarea_ids(page) for ids in configs)
+    page.click("#rt-toggle")
+    assert page.inner_text("#rt-toggle") == "Start"
+    assert page.errors == []
+

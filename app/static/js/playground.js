@@ -373,10 +373,11 @@ function setToggle(button, running) {
 // capture again. `rt` identifies one run; handlers of a stopped run see state.rt !== rt and do nothing.
 async function startRealtime() {
   stopRealtime();
+  // The request is read once the camera runs: starting it may swap in the image example.
+  if (!(await ensureCamera())) return;
   const request = readRequest();
   if (!request) return;
   delete request.images; // the frames are the images; the server refuses images in a config
-  if (!(await ensureCamera())) return;
   const rt = {
     session: null, sent: 0, decided: 0, dropped: 0, sentAt: -Infinity, types: questionTypes(request),
     nextFrameMs: DEFAULT_FRAME_MS, stepTimer: null,
