@@ -141,7 +141,7 @@ def test_webcam_one_shot_posts_a_frame(page_server, page_factory):
     page.wait_for_function("() => document.getElementById('status').textContent === 'camera on'")
     assert page.is_visible("#video") and page.is_visible("#capture")
     assert not page.is_visible("#live-toggle") and not page.is_visible("#rt-toggle")
-    # The ticket example was swapped for the image example when the camera started.
+    # The ticket example was swapped for the image example when the webcam mode was chosen.
     assert list(json.loads(page.input_value("#request"))["questions"]) == ["scene", "hand"]
     page.click("#capture")
     table = wait_rows(page, 2)
@@ -235,5 +235,17 @@ def test_realtime_started_at_once_answers_the_request_on_screen(page_server, pag
     assert configs and all(ids == textarea_ids(page) for ids in configs)
     page.click("#rt-toggle")
     assert page.inner_text("#rt-toggle") == "Start"
+    assert page.errors == []
+
+
+def test_send_at_once_in_a_webcam_mode_answers_the_request_on_screen(page_server, page_factory):
+    # Send clicked while the camera is still starting sends the camera example the textarea shows.
+    page = open_playground(page_factory, page_server, camera_delay_ms=1000)
+    page.select_option("#mode", "oneshot")
+    page.click("#send")
+    page.wait_for_function("() => document.querySelectorAll('#answers tbody tr').length > 0"
+                           " && document.getElementById('video').hidden === false")
+    assert textarea_ids(page) == ["scene", "hand"]
+    assert [row[0] for row in rows(page)] == textarea_ids(page)
     assert page.errors == []
 

@@ -21,8 +21,8 @@ const DEFAULT_EXAMPLE = {
   },
 };
 
-// Swapped in when the webcam starts and the textarea still holds the ticket example, which has no
-// use for a picture.
+// Swapped in when a webcam mode is chosen and the textarea still holds the ticket example, which
+// has no use for a picture.
 const IMAGE_EXAMPLE = {
   model: "jev-latest",
   state: { note: "one photo attached" },
@@ -289,7 +289,6 @@ async function openCamera() {
   }
   state.camera = "on";
   ui.video.hidden = false;
-  if (isDefaultExample(ui.request.value)) ui.request.value = pretty(IMAGE_EXAMPLE);
   setStatus("camera on");
   return true;
 }
@@ -334,6 +333,8 @@ async function setMode(selected) {
     pickFile();
     setStatus("");
   } else {
+    // Swapped before the camera starts, so a request sent meanwhile is the one on screen.
+    if (isDefaultExample(ui.request.value)) ui.request.value = pretty(IMAGE_EXAMPLE);
     await ensureCamera();
   }
 }
