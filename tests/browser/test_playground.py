@@ -249,3 +249,31 @@ def test_send_at_once_in_a_webcam_mode_answers_the_request_on_screen(page_server
     assert [row[0] for row in rows(page)] == textarea_ids(page)
     assert page.errors == []
 
+
+def test_a_new_request_while_realtime_runs_reconfigures_it(page_server, page_factory):
+    # A #req= link opened while realtime runs replaces the textarea without an input event: the
+    # running session takes the new request up too.
+    page = open_playground(page_factory, page_server)
+    configs = record_configs(page)
+    page.select_option("#mode", "realtime")
+    page.wait_for_function("() => document.getElementById('status').textContent === 'camera on'")
+    page.click("#rt-toggle")
+    wait_decided(page, 2)
+    assert [row[0] for row in rows(page)] == ["scene", "hand"]
+
+    encoded = base64.b64encode(json.dumps(SKIPPING).encode()).decode()
+    page.evaluate(f"location.hash = {json.dumps('#req=' + encoded)}")
+    page.wait_for_function(f"() => document.getElementById('request').value.includes({json.dumps(SKIPPING['state']['ticket'])})")
+    decided = int(page.get_attribute("#rt-count", "data-decided"))
+    # Past the frame that was in flight at the change, and showing a realtime result (not the REST one).
+    page.wait_for_function(
+        f"() => Number(document.getElementById('rt-count').dataset.decided) >= {decided + 3}"
+        " && document.getElementById('raw').textContent.includes('\"type\": \"result\"')",
+        timeout=TIMEOUT_MS,
+    )
+    assert textarea_ids(page) == list(SKIPPING["questions"])
+    assert [row[0] for row in rows(page)] == textarea_ids(page)
+    assert configs[-1] == textarea_ids(page)
+    page.click("#rt-toggle")
+    assert page.inner_text("#rt-toggle") == "Start"
+    assert page.errors == []

@@ -334,7 +334,7 @@ async function setMode(selected) {
     setStatus("");
   } else {
     // Swapped before the camera starts, so a request sent meanwhile is the one on screen.
-    if (isDefaultExample(ui.request.value)) ui.request.value = pretty(IMAGE_EXAMPLE);
+    if (isDefaultExample(ui.request.value)) setRequestText(pretty(IMAGE_EXAMPLE));
     await ensureCamera();
   }
 }
@@ -486,15 +486,24 @@ function updateCounter(rt) {
 function scheduleReconfigure() {
   if (!state.rt) return;
   clearTimeout(state.reconfigureTimer);
-  state.reconfigureTimer = setTimeout(() => {
-    const rt = state.rt;
-    const request = rt && readRequest();
-    if (!request) return;
-    delete request.images;
-    rt.types = questionTypes(request);
-    rt.session.configure(request);
-    setStatus("realtime: running");
-  }, RECONFIGURE_DELAY_MS);
+  state.reconfigureTimer = setTimeout(reconfigure, RECONFIGURE_DELAY_MS);
+}
+
+function reconfigure() {
+  clearTimeout(state.reconfigureTimer);
+  const rt = state.rt;
+  const request = rt && readRequest();
+  if (!request) return;
+  delete request.images;
+  rt.types = questionTypes(request);
+  rt.session.configure(request);
+  setStatus("realtime: running");
+}
+
+// The textarea's text set by the page (no input event): a running session takes it up at once.
+function setRequestText(text) {
+  ui.request.value = text;
+  reconfigure();
 }
 
 // ------------------------------------------------------------------ #req= autoload
@@ -511,7 +520,7 @@ function decodeRequestFragment(hash) {
 function autoload() {
   if (!location.hash.startsWith("#req=")) return;
   try {
-    ui.request.value = pretty(decodeRequestFragment(location.hash));
+    setRequestText(pretty(decodeRequestFragment(location.hash)));
   } catch (err) {
     setStatus(`bad #req: ${err.message}`, true);
     return;
