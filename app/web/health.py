@@ -8,6 +8,8 @@
 - `ok` (200): ready.
 - `degraded` (200): ready, but the engine had to degrade; `reason` says how.
 - `unavailable` (503): the engine is not running (stopped, or no upstream up).
+
+`auth` says whether POST routes and camera sessions require the API key (API_KEY set).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ async def health(request: Request) -> Response:
         "engine": info.engine,
         "device": info.device,
         "tiny": info.tiny,
+        "auth": bool(svc.settings.server.api_key),
         "canvas": info.canvas_length,
         "in_flight": svc.admission.in_flight,
         "in_flight_cost": svc.admission.cost,

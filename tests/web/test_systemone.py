@@ -309,6 +309,10 @@ class TestApiKey:
         assert keyed.get("/health").status_code == 200
         assert keyed.get("/v1/models").status_code == 200
 
+    def test_health_says_whether_a_key_is_required(self, keyed, fake):
+        assert keyed.get("/health").json()["auth"] is True
+        assert fake.get("/health").json()["auth"] is False
+
     def test_without_a_key_any_authorization_is_accepted(self, fake):
         response = fake.post("/v1/systemone", json={**TICKET, "samples": 1}, headers={"authorization": "Bearer x"})
         assert response.status_code == 200
