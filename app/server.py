@@ -5,12 +5,14 @@ so tests can give it the tiny model or a fake). The app's lifespan starts and st
 `StartingReader` (what `djev serve` passes) is started in a background task instead, so the
 listener is up while the model loads, and the routes are handed the real reader once it is ready.
 `serve_app()` runs the HTTP listener and, with TLS_PORT, an HTTPS listener in the same process, and
-stops them a few seconds after a start-up that failed.
+stops them a few seconds after a start-up that failed. A listener bound beyond loopback with no
+API_KEY is logged as a warning at start: anyone on the network could use it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from contextlib import asynccontextmanager, contextmanager
@@ -94,6 +96,43 @@ def log_ready(reader: Reader) -> None:
              " - TINY RANDOM MODEL, answers are random" if info.tiny else "")
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a listener bound to `host` is reachable from this machine only: an address in
+    127.0.0.0/8, `::1` (or 127.x mapped into IPv6), or `localhost`. Every other name, `0.0.0.0`, `::`
+    and a LAN address are reachable from the network."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False  # a host name other than localhost: it may resolve to anything
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def open_listeners(settings: Settings, tls: bool) -> list[str]:
+    """The URLs of the listeners anyone on the network may use: bound beyond loopback while no
+    API_KEY is set (the HTTP one, and with `tls` the HTTPS one)."""
+    server = settings.server
+    if server.api_key or is_loopback(server.host):
+        return []
+    host = f"[{server.host}]" if ":" in server.host else server.host
+    urls = [f"http://{host}:{server.port}"]
+    if tls:
+        urls.append(f"https://{host}:{server.tls_port}")
+    return urls
+
+
+def warn_if_open(settings: Settings, tls: bool) -> None:
+    """A warning for each listener open to the network with no key, saying how to close it."""
+    for url in open_listeners(settings, tls):
+        log.warning("%s is open to the network with no API key: anyone who can reach it can run decisions and "
+                    "generations and open camera sessions on this engine. Set API_KEY (or --api-key) to require "
+                    "a bearer token, or HOST=127.0.0.1 (--host 127.0.0.1) to listen on this machine only", url)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     import socket
 
@@ -157,6 +196,7 @@ async def serve_app(app: Starlette, settings: Settings, ssl: tuple[str, str] | N
             for other in servers[1:]:
                 other.should_exit = True
 
+    warn_if_open(settings, tls=len(servers) > 1)
     startup: StartingReader | None = app.state.startup
     failed = False
 
