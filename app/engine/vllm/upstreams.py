@@ -37,16 +37,18 @@ class Upstream:
     url: str
     healthy: bool = False
     outstanding: int = 0
-    last_error: str = "not checked yet"
+    last_error: str = "not checked yet"  # the bare error (the URL is `url`); "" while healthy
     counts: Counter = field(default_factory=Counter)
 
 
 class Failed(Exception):
     """One request to one upstream failed; `down` when the upstream could not be reached at all,
-    `retry` when another upstream may well answer (not for a refusal of the request itself)."""
+    `retry` when another upstream may well answer (not for a refusal of the request itself).
+    `reason` is the message without the upstream's URL (what its `last_error` keeps)."""
 
     def __init__(self, upstream: Upstream, message: str, *, down: bool = False, retry: bool = True) -> None:
         super().__init__(f"upstream {upstream.url}: {message}")
+        self.reason = message
         self.down = down
         self.retry = retry
 
@@ -159,7 +161,7 @@ class UpstreamPool:
                 upstream.counts["failures"] += 1
                 self.counts["failures"] += 1
                 if exc.down:
-                    upstream.healthy, upstream.last_error = False, str(exc)
+                    upstream.healthy, upstream.last_error = False, exc.reason
                 log.warning("%s", exc)
                 if not exc.retry:
                     break

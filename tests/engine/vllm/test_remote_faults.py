@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -309,7 +310,12 @@ def test_the_only_upstream_dying_mid_request_leaves_none(tiny_dir, tokenizer):
             return str(caught.value)
 
         message = asyncio.run(with_reader(reader, body))
-    assert dying.url in message
+    assert named_once(message, dying.url) and "no upstream available" in message
+
+
+def named_once(message: str, url: str) -> bool:
+    """`url` is in `message` exactly once (not as the start of a longer port)."""
+    return len(re.findall(re.escape(url) + r"(?!\d)", message)) == 1
 
 
 def test_a_dead_upstream_comes_back_after_a_health_check(tiny_dir, tokenizer):
