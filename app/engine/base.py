@@ -287,6 +287,45 @@ class ChatRelay(Protocol):
     async def relay_chat(self, body: dict) -> RelayedResponse: ...
 
 
+@dataclass(frozen=True)
+class UpstreamState:
+    """One server a reader serves through (the remote engine's vLLM servers), as `/health` lists it."""
+
+    url: str
+    up: bool
+    last_error: str | None  # why it is down, without its URL (that is `url`); None while it is up
+
+    def as_json(self) -> dict:
+        return {"url": self.url, "state": "up" if self.up else "down", "last_error": self.last_error}
+
+
+@runtime_checkable
+class UpstreamReport(Protocol):
+    """A reader that serves through upstream servers says how each stands: `/health` lists them, is
+    `degraded` while some are down and `unavailable` with `upstreams_unavailable` once all are."""
+
+    @property
+    def upstream_states(self) -> Sequence[UpstreamState]: ...
+
+
+def _named_once(states: Sequence[UpstreamState]) -> str:
+    return "; ".join(f"{state.url} ({state.last_error or 'down'})" for state in states)
+
+
+def upstreams_degraded(states: Sequence[UpstreamState]) -> str | None:
+    """Why a reader with some upstreams down (and some up) is degraded, each down one named once
+    with its error; None while all are up or none is (then it is not ready at all)."""
+    down = [state for state in states if not state.up]
+    if not down or len(down) == len(states):
+        return None
+    return f"{len(down)} of {len(states)} upstreams down: {_named_once(down)}"
+
+
+def upstreams_unavailable(states: Sequence[UpstreamState]) -> str:
+    """What a request is told, and `/health` says, when no upstream is up: each named once with its error."""
+    return f"no upstream available: {_named_once(states)}"
+
+
 class Reader(Protocol):
     @property
     def info(self) -> ReaderInfo: ...

@@ -6,8 +6,13 @@
   reported last, `done`/`total` its progress, `elapsed_s` the seconds since the load began.
 - `failed` (503): the load failed; `reason` says why (the server exits seconds later).
 - `ok` (200): ready.
-- `degraded` (200): ready, but the engine had to degrade; `reason` says how.
-- `unavailable` (503): the engine is not running (stopped, or no upstream up).
+- `degraded` (200): ready, but the engine had to degrade; `reason` says how (with the remote engine:
+  some upstreams are down, each named once with its error).
+- `unavailable` (503): the engine is not running (stopped, or no upstream up: then `reason` names
+  each upstream once with its last error).
+
+With the remote engine, `upstreams` lists each one: `{"url", "state": "up"|"down", "last_error"}`
+(the bare error; null while up).
 
 `auth` says whether POST routes and camera sessions require the API key (API_KEY set).
 """
@@ -21,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from app.engine.base import UpstreamReport, upstreams_unavailable
 from app.engine.starting import StartingReader
 from app.web.errors import json_response
 from app.web.services import services
@@ -42,6 +48,8 @@ async def health(request: Request) -> Response:
         status = {"status": "degraded", "reason": reader.degraded}
     else:
         status = {"status": "ok" if ready else "unavailable"}
+        if not ready and isinstance(reader, UpstreamReport):
+            status["reason"] = upstreams_unavailable(reader.upstream_states)
     body = {
         **status,
         "ready": ready,
@@ -57,6 +65,8 @@ async def health(request: Request) -> Response:
         "uptime_s": round(time.time() - svc.started, 1),
         "calibration": svc.calibration.identity() if svc.calibration is not None else None,
     }
+    if isinstance(reader, UpstreamReport):
+        body["upstreams"] = [state.as_json() for state in reader.upstream_states]
     if info.tiny:
         body["warning"] = "tiny random-weight model: every answer is random"
     return json_response(body, status=200 if ready else 503)

@@ -36,6 +36,7 @@ from app.engine.base import (
     ReadResult,
     ReadSpec,
     RelayedResponse,
+    UpstreamState,
     collect,
     describe,
     gather_or_cancel,
@@ -101,7 +102,13 @@ class RemoteReader:
 
     @property
     def degraded(self) -> str | None:
-        return None  # an upstream that is down is routed around; none up is not `ready`
+        """Some upstreams down, some up: routed around, with less capacity (none up is not `ready`)."""
+        return self.pool.degraded
+
+    @property
+    def upstream_states(self) -> list[UpstreamState]:
+        """Each upstream's state and last error (UpstreamReport: `/health` lists them)."""
+        return self.pool.states
 
     @property
     def stats(self) -> dict[str, float]:

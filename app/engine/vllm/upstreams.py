@@ -5,8 +5,9 @@ Routing: each request goes to the healthy upstream with the fewest requests outs
 rotate). A failed request is retried once on another upstream (reads are idempotent); an upstream
 whose connection fails is taken out of rotation at once, and the health check (`GET /health` every
 `health_interval` seconds) brings it back. An upstream's failure is an `EngineError` naming it (502);
-no upstream left to try is `EngineUnavailable` (503). A cancelled request closes its connection
-(httpx closes a connection whose request is cancelled).
+no upstream left to try is `EngineUnavailable` (503), naming each upstream once with its last error.
+While some are down and some up the pool is `degraded` (`/health` says so and lists each one's state).
+A cancelled request closes its connection (httpx closes a connection whose request is cancelled).
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import httpx
 
-from app.engine.base import EngineError, EngineInputError, EngineUnavailable, describe
+from app.engine.base import (
+    EngineError,
+    EngineInputError,
+    EngineUnavailable,
+    UpstreamState,
+    describe,
+    upstreams_degraded,
+    upstreams_unavailable,
+)
 
 log = logging.getLogger("djev.engine")
 
@@ -70,6 +79,17 @@ class UpstreamPool:
     @property
     def ready(self) -> bool:
         return self.client is not None and any(upstream.healthy for upstream in self.upstreams)
+
+    @property
+    def states(self) -> list[UpstreamState]:
+        return [UpstreamState(u.url, u.healthy, None if u.healthy else (u.last_error or "down")) for u in self.upstreams]
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the pool serves with less while some upstreams are down and some up; else None."""
+        if self.client is None:
+            return None
+        return upstreams_degraded(self.states)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -137,8 +157,7 @@ class UpstreamPool:
         return min(candidates, key=lambda u: (u.outstanding, rank[id(u)]))
 
     def _all_down(self) -> EngineUnavailable:
-        reasons = "; ".join(f"{u.url} ({u.last_error or 'down'})" for u in self.upstreams)
-        return EngineUnavailable(f"no upstream available: {reasons}")
+        return EngineUnavailable(upstreams_unavailable(self.states))
 
     async def call(self, attempt: Callable[[Upstream], Awaitable[T]]) -> T:
         """Run `attempt` on the least loaded healthy upstream; once more on another if it fails."""

@@ -1,7 +1,8 @@
 """The remote engine against fake vLLM servers (tests/engine/vllm/fake_vllm.py, each its own process):
 what it sends, how it routes and retries, and what a client sees when an upstream refuses, hangs,
 answers garbage or dies mid-request: 502 naming the upstream, 503 when none is left, and nothing
-leaked (no task left running, every request the fake saw closed). No vLLM needed."""
+leaked (no task left running, every request the fake saw closed); what `/health` says of the
+upstreams as they go down and come back. No vLLM needed."""
 
 from __future__ import annotations
 
@@ -19,7 +20,18 @@ import httpx
 import pytest
 
 from app.config import Settings
-from app.engine.base import EngineError, EngineInputError, EngineUnavailable, GenerateSpec, ImageInput, Prompt, ReadSpec
+from app.engine.base import (
+    EngineError,
+    EngineInputError,
+    EngineUnavailable,
+    GenerateSpec,
+    ImageInput,
+    Prompt,
+    ReadSpec,
+    UpstreamState,
+    upstreams_degraded,
+    upstreams_unavailable,
+)
 from app.engine.tiny import TINY_MODEL_NAME
 from app.engine.vllm.remote import RemoteOptions, load_remote_reader
 from app.server import create_app, free_port, serve_in_background
@@ -44,8 +56,8 @@ class Fake:
 
 
 @contextmanager
-def fake_upstream(mode: str = "ok"):
-    port = free_port()
+def fake_upstream(mode: str = "ok", port: int | None = None):
+    port = port or free_port()
     process = subprocess.Popen([sys.executable, "-m", "tests.engine.vllm.fake_vllm", str(port), mode], cwd=REPO)
     fake = Fake(port, process)
     deadline = time.monotonic() + 30
@@ -420,6 +432,72 @@ def test_over_http_a_failing_upstream_is_a_502_naming_it_and_none_left_a_503(fak
         health = httpx.get(f"{base}/health", timeout=30)
     assert down.status_code == 503 and nowhere in down.json()["error"]["message"]
     assert health.status_code == 503 and health.json()["engine"] == "remote"
+
+
+def test_the_upstreams_reasons_name_each_down_one_once():
+    up = UpstreamState("http://a:1", True, None)
+    down = UpstreamState("http://b:2", False, "ConnectError: refused")
+    dead = UpstreamState("http://c:3", False, "GET /health answered 503")
+    assert upstreams_degraded([up, up]) is None and upstreams_degraded([down, dead]) is None
+    assert upstreams_degraded([up, down, dead]) == \
+        "2 of 3 upstreams down: http://b:2 (ConnectError: refused); http://c:3 (GET /health answered 503)"
+    assert upstreams_unavailable([down, dead]) == \
+        "no upstream available: http://b:2 (ConnectError: refused); http://c:3 (GET /health answered 503)"
+    assert down.as_json() == {"url": "http://b:2", "state": "down", "last_error": "ConnectError: refused"}
+
+
+def health_until(base: str, status: str, timeout: float = 20.0) -> httpx.Response:
+    """GET /health until it says `status` (the pool's health checks run every 0.2 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response = httpx.get(f"{base}/health", timeout=10)
+        if response.json()["status"] == status or time.monotonic() > deadline:
+            assert response.json()["status"] == status, response.json()
+            return response
+        time.sleep(0.1)
+
+
+def test_health_lists_the_upstreams_degraded_while_one_is_down_unavailable_once_all_are(tiny_dir):
+    decision = {"state": "the printer is on fire", "samples": 1,
+                "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"}}}
+    with fake_upstream() as first, fake_upstream() as second:
+        urls, ports = (first.url, second.url), (first.port, second.port)
+        reader = load_remote_reader(tiny_dir, options(*urls))
+        with serve_in_background(create_app(Settings.of(engine="remote", upstream=urls), reader)) as base:
+            ok = health_until(base, "ok")
+            assert ok.status_code == 200 and "reason" not in ok.json()
+            assert ok.json()["upstreams"] == [{"url": url, "state": "up", "last_error": None} for url in urls]
+
+            second.process.terminate()
+            second.process.wait(timeout=10)
+            degraded = health_until(base, "degraded")
+            body = degraded.json()
+            assert degraded.status_code == 200 and body["ready"] is True
+            assert body["reason"].startswith("1 of 2 upstreams down: ")
+            assert named_once(body["reason"], second.url) and first.url not in body["reason"]
+            up, down = body["upstreams"]
+            assert up == {"url": first.url, "state": "up", "last_error": None}
+            assert down["url"] == second.url and down["state"] == "down"
+            assert down["last_error"] and second.url not in down["last_error"]  # the bare error
+            assert httpx.post(f"{base}/v1/systemone", json=decision, timeout=30).status_code == 200  # routed around
+
+            first.process.terminate()
+            first.process.wait(timeout=10)
+            unavailable = health_until(base, "unavailable")
+            body = unavailable.json()
+            assert unavailable.status_code == 503 and body["ready"] is False
+            assert body["reason"].startswith("no upstream available: ")
+            assert all(named_once(body["reason"], url) for url in urls), body["reason"]
+            assert [u["state"] for u in body["upstreams"]] == ["down", "down"]
+            assert all(url not in u["last_error"] for u in body["upstreams"] for url in urls)
+            refused = httpx.post(f"{base}/v1/systemone", json=decision, timeout=30)
+            message = refused.json()["error"]["message"]
+            assert refused.status_code == 503 and all(named_once(message, url) for url in urls), message
+
+            with fake_upstream(port=ports[0]), fake_upstream(port=ports[1]):
+                back = health_until(base, "ok")
+                assert back.status_code == 200 and "reason" not in back.json()
+                assert [u["state"] for u in back.json()["upstreams"]] == ["up", "up"]
 
 
 def test_a_chat_prompt_vllm_rendered_unlike_djevs_ids_is_counted_and_read_on(fakes, tiny_dir, tokenizer, caplog):
