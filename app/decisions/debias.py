@@ -70,13 +70,27 @@ OFF = Debias()
 
 def canonical_order(question: Question) -> Order:
     """Options sorted by name (Unicode code points), so the order depends only on the set of names;
-    noul's two answers too (`no` before `yes`). A score keeps its levels in order: the order is
-    their meaning."""
-    count = len(question.alternatives)
-    if question.kind.name == "score":
-        return tuple(range(count))
+    noul's two answers too (`no` before `yes`). A score keeps its levels in sequence (the sequence is
+    their meaning) but is listed in the direction chosen by its names alone (`scale_direction`), so a
+    scale and its reverse are shown alike."""
     names = [alternative.name for alternative in question.alternatives]
-    return tuple(sorted(range(count), key=lambda index: names[index]))
+    if question.kind.name == "score":
+        return scale_direction(names)
+    return tuple(sorted(range(len(names)), key=lambda index: names[index]))
+
+
+def scale_direction(names: Sequence[str]) -> Order:
+    """A scale's levels as sent, or reversed when the reversed list of names is the smaller (Python's
+    order of lists of strings): `[low, mid, high]` is listed `high, mid, low` (`h` < `l`), and so is
+    `[high, mid, low]`. A tie (a palindrome of names) keeps the scale as sent."""
+    forwards = tuple(range(len(names)))
+    return forwards[::-1] if list(names[::-1]) < list(names) else forwards
+
+
+def reversed_scales(questions: Sequence[Question], orders: Mapping[str, Order]) -> tuple[str, ...]:
+    """The score questions these orders list reversed (by qid, in the order given)."""
+    return tuple(q.qid for q in questions
+                 if q.kind.name == "score" and q.qid in orders and not is_identity(orders[q.qid]))
 
 
 def listings(question: Question) -> int:
@@ -99,7 +113,7 @@ def shift(j: int, count: int, k: int) -> int:
 
 def rotated_order(question: Question, j: int, k: int) -> Order:
     """Rotation j of K: the canonical order shifted cyclically (shown position i holds canonical
-    position i + shift), or a score forwards (even shifts) and reversed (odd)."""
+    position i + shift), or a score in its canonical direction (even shifts) and the other (odd)."""
     base = canonical_order(question)
     s = shift(j, listings(question), k)
     if question.kind.name == "score":
@@ -206,13 +220,15 @@ def combine(estimates: Sequence[QuestionEstimate], orders: Sequence[Order]) -> Q
 
 @dataclass(frozen=True)
 class Cost:
-    """What debiasing one group cost: its reads of the state and its prior reads."""
+    """What debiasing one group cost: its reads of the state and its prior reads; and which of its
+    scales its canonical listing showed reversed."""
 
     rotations: int  # prompts of the state (K; 1 for canonical or prior alone)
     reads: int  # reader calls for the state (auto's second call counts)
     canvases: int  # canvases of the state read (every draw of every rotation)
     prior_reads: int = 0  # content-free reads made (a prompt and PRIOR_DRAWS canvases each)
     prior_cached: int = 0  # content-free reads found in the cache
+    reversed_scales: tuple[str, ...] = ()  # score qids its first (canonical) listing showed reversed
 
 
 def cost_json(mode: str, costs: Sequence[Cost]) -> dict:
@@ -225,6 +241,7 @@ def cost_json(mode: str, costs: Sequence[Cost]) -> dict:
         "reads": sum(c.reads for c in costs) + prior_reads,
         "canvases": sum(c.canvases for c in costs) + prior_reads * PRIOR_DRAWS,
         "prior": {"read": prior_reads, "cached": sum(c.prior_cached for c in costs)},
+        "reversed_scales": [qid for c in costs for qid in c.reversed_scales],
     }
 
 

@@ -30,6 +30,7 @@ from app.decisions.debias import (
     combine,
     mean_prior,
     prior_adjust,
+    reversed_scales,
     rotation_count,
     shown_labels,
     shown_orders,
@@ -385,6 +386,7 @@ class _Run:
             canvases=sum(r.draws for r in results),
             prior_reads=sum(1 for read in reads if read.prior_fresh),
             prior_cached=sum(1 for read in reads if read.prior_fresh is False),
+            reversed_scales=reversed_scales(questions, views[0].orders),  # the canonical listing's
         )
         return GroupResult(
             questions=tuple(questions), index=index, estimates=estimates,

@@ -20,9 +20,11 @@ from app.decisions.debias import (
     canonical_order,
     combine,
     divide_prior,
+    reversed_scales,
     rotated_order,
     rotation_count,
     rotation_weights,
+    scale_direction,
     shift,
     shown_labels,
     shown_orders,
@@ -91,7 +93,31 @@ def test_the_canonical_order_depends_only_on_the_names():
     shuffled = ("bravo", "échelon", "delta", "Charlie", "alpha")
     assert [shuffled[i] for i in canonical_order(choice(*shuffled))] == [names[i] for i in order]
     assert canonical_order(noul()) == (1, 0)  # no before yes
-    assert canonical_order(score("low", "mid", "high")) == (0, 1, 2)  # levels keep their order
+    assert canonical_order(score("low", "mid", "high")) == (2, 1, 0)  # high, mid, low: its names sort first so
+    assert canonical_order(score("high", "mid", "low")) == (0, 1, 2)  # already that way: as sent
+
+
+@pytest.mark.parametrize("levels, reversed_", [
+    (["low", "mid", "high"], True),  # ["high", "mid", "low"] is the smaller list
+    (["high", "mid", "low"], False),
+    (["calm", "annoyed", "furious"], False),  # "calm" < "furious"
+    (["furious", "annoyed", "calm"], True),
+    ([str(n) for n in range(1, 11)], False),  # "1" < "10"
+    ([str(n) for n in range(10, 0, -1)], True),
+    (["never", "often", "rarely", "never"], False),  # the first names tie: the later ones decide
+    (["never", "rarely", "often", "never"], True),
+    (["a", "b", "a"], False),  # a palindrome: as sent
+    (["Low", "high"], False),  # code points: "L" < "h"
+    (["ok", "ok!"], False), (["ok!", "ok"], True),  # a prefix sorts first
+])
+def test_a_scale_is_listed_in_the_direction_its_names_sort_first(levels, reversed_):
+    forwards = tuple(range(len(levels)))
+    assert scale_direction(levels) == (forwards[::-1] if reversed_ else forwards)
+    assert canonical_order(score(*levels)) == scale_direction(levels)
+    shown = [levels[i] for i in scale_direction(levels)]
+    assert shown == min(levels, levels[::-1])  # the smaller list of names, as Python compares them
+    assert [levels[::-1][i] for i in scale_direction(levels[::-1])] == shown  # the reverse is shown alike
+    assert reversed_scales([score(*levels)], {"s": scale_direction(levels)}) == (("s",) if reversed_ else ())
 
 
 def test_shifts_are_evenly_spaced_and_rounded_half_up():
@@ -126,12 +152,12 @@ def test_a_canvas_of_several_questions_uses_the_largest_k():
     views = shown_orders("rotate", questions, 8)
     assert len(views) == 4
     assert [view["n"] for view in views] == [(1, 0), (0, 1), (0, 1), (1, 0)]  # each listing twice
-    assert [view["s"] for view in views] == [(0, 1), (1, 0), (1, 0), (0, 1)]
+    assert [view["s"] for view in views] == [(1, 0), (0, 1), (0, 1), (1, 0)]  # "hi" < "lo": reversed first
     assert len({view["c"] for view in views}) == 4
     many = choice(*[f"o{i:02d}" for i in range(20)])
     assert rotation_count([many], 8) == 8 and rotation_count([many], 3) == 3
     assert shown_orders("off", questions, 8) == [{}]
-    assert shown_orders("canonical", questions, 8) == [{"n": (1, 0), "c": (0, 1, 2, 3), "s": (0, 1)}]
+    assert shown_orders("canonical", questions, 8) == [{"n": (1, 0), "c": (0, 1, 2, 3), "s": (1, 0)}]
 
 
 def test_shown_questions_and_labels():
@@ -290,7 +316,7 @@ def test_rotate_is_the_mean_of_the_shifted_listings_read_alone(tiny_reader):
     assert counters["kv_misses"] == k and counters["reads"] == k  # K distinct prompts, one read each
     cost = rotated.diagnostics["debias"]
     assert cost == {"mode": "rotate", "rotations": [k], "prompts": k, "reads": k, "canvases": k,
-                    "prior": {"read": 0, "cached": 0}}
+                    "prior": {"read": 0, "cached": 0}, "reversed_scales": []}
     assert rotated.reads == k and rotated.diagnostics["samples"]["n"] == k
 
     mean = {name: sum(o.answers["team"]["probabilities"][name] for o, _ in alone) / k for name in TEAMS}
@@ -483,3 +509,56 @@ def test_the_prior_divides_out_a_bias_every_read_shares(tokenizer):
     assert after == pytest.approx([1 / 3] * 3)
     content_free = [spec for spec in reader.reads if "case " not in tokenizer.decode(spec.prompt.ids)]
     assert len(content_free) == 1  # one sheet, one prior read
+
+
+# ------------------------------------------------------------------ a reversed scale under canonical
+
+RISING = ["low", "medium", "high"]  # its reverse, ["high", "medium", "low"], is the smaller list
+
+
+def one_score(levels: list[str], **extra) -> dict:
+    return {"state": TICKET, "questions": {"s": {"type": "score", "instructions": "How urgent?", "criteria": levels}},
+            "samples": 1, **extra}
+
+
+def mirrored(first: dict, second: dict, n: int) -> None:
+    """Two score answers over a scale and its reverse say the same of every level."""
+    for i in range(n):
+        assert first["probabilities"][str(i)] == pytest.approx(second["probabilities"][str(n - 1 - i)], abs=1e-6)
+    assert first["score"] + second["score"] == pytest.approx(n - 1, abs=1e-6)
+    assert first["confidence"] == pytest.approx(second["confidence"], abs=1e-6)
+
+
+def test_canonical_reads_a_reversed_scale_alike_and_maps_it_back(tokenizer):
+    """The fake pulls toward the first listed labels (8, 4, 2): as sent, each direction favours its own
+    first level; under canonical both are listed high, medium, low and the answers mirror each other."""
+    answers = {}
+    for mode in ("off", "canonical"):
+        for levels in (RISING, RISING[::-1]):
+            reader = BiasedReader(tokenizer)
+            outcome = asyncio.run(Decider(reader, SMALL).decide(parse_decision(one_score(levels, debias=mode), LIMITS)))
+            answers[mode, levels[0]] = (outcome, tokenizer.decode(reader.reads[0].prompt.ids))
+    (rising, rising_sheet), (falling, falling_sheet) = answers["canonical", "low"], answers["canonical", "high"]
+    assert rising_sheet == falling_sheet and "1: high\n  2: medium\n  3: low" in rising_sheet  # level 1 = the top
+    up, down = rising.answers["s"], falling.answers["s"]
+    mirrored(up, down, 3)
+    assert up["probabilities"]["2"] > up["probabilities"]["0"]  # "high", listed first, got the pull
+    assert up["legend"] == {"0": "low", "1": "medium", "2": "high"}  # the levels as sent
+    assert down["legend"] == {"0": "high", "1": "medium", "2": "low"}
+    assert rising.diagnostics["debias"]["reversed_scales"] == ["s"]
+    assert falling.diagnostics["debias"]["reversed_scales"] == []  # its names already sort first: as sent
+    assert rising.internal_answers["s"]["label"] == "3"  # the chat form's label: the caller's order's
+    # as sent, each direction favours its own first level: the answers do not mirror
+    off_up, off_down = answers["off", "low"][0].answers["s"], answers["off", "high"][0].answers["s"]
+    assert off_up["probabilities"]["0"] == pytest.approx(off_down["probabilities"]["0"])
+    assert off_up["probabilities"]["0"] != pytest.approx(off_down["probabilities"]["2"], abs=1e-3)
+
+
+def test_canonical_mirrors_a_reversed_scale_on_the_tiny_model(tiny_reader):
+    levels = ["mild", "annoyed", "angry", "furious"]  # ["furious", "angry", "annoyed", "mild"] sorts first
+    (sent, _), (reversed_, _) = run_on(tiny_reader, [one_score(levels, debias="canonical"),
+                                                     one_score(levels[::-1], debias="canonical")])
+    mirrored(sent.answers["s"], reversed_.answers["s"], 4)
+    assert sent.diagnostics["debias"]["reversed_scales"] == ["s"]
+    assert reversed_.diagnostics["debias"]["reversed_scales"] == []
+    assert tiny_reader.stats["kv_misses"] == 1  # one sheet: both read the same prompt
