@@ -1,6 +1,6 @@
 """Settings: typed sections of frozen dataclasses, read from the environment (the reference system's
 names where it had one) and overridden by command-line flags. Every default is defined here and
-nowhere else; `.env.example` and README's table are generated from these fields (a test keeps them
+nowhere else; `.env.example` and docs/configuration.md are generated from these fields (a test keeps them
 equal), and app/build.py makes every engine's and the decision core's options from them.
 
 A setting's name is unique across sections, so flags (`--canvas`) and `Settings.of(canvas=64)` take
@@ -361,7 +361,7 @@ class Settings:
 
 
 def setting_fields() -> Iterator[tuple[str, dataclasses.Field]]:
-    """(section name, field) for every setting, in the order flags, .env.example and README list them."""
+    """(section name, field) for every setting, in the order flags, .env.example and docs/configuration.md list them."""
     for section in fields(Settings):
         for f in fields(_section_type(section)):
             yield section.name, f
@@ -408,7 +408,7 @@ def field_kind(f: dataclasses.Field) -> type:
 
 
 def env_table() -> list[tuple[str, str, str]]:
-    """(variable, default, meaning) for every setting: the README and .env.example are built on it."""
+    """(variable, default, meaning) for every setting: docs/configuration.md and .env.example are built on it."""
     rows = []
     for _, f in setting_fields():
         default = f.default

@@ -2,7 +2,7 @@
 local certificate authority that djev writes once.
 
 certs/djev-ca.crt (and its key) is the authority: made on first start, kept for ten years, never
-regenerated on its own. A phone that installs it once (README "From a phone on the LAN") trusts
+regenerated on its own. A phone that installs it once (docs/deploy.md "From a phone on the LAN") trusts
 every server certificate it issues: no warning, and the browser then allows what it refuses on an
 untrusted certificate (a service worker, installing the page). certs/djev.crt is the server's
 certificate followed by the authority's (the chain the listener sends); it is reissued when the set

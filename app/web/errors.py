@@ -51,7 +51,7 @@ RETRY_AFTER_SECONDS = 1
 RETRY_HEADERS = {"retry-after": str(RETRY_AFTER_SECONDS), "retry-after-ms": str(RETRY_AFTER_SECONDS * 1000)}
 
 # Websocket close codes, the only place they are defined (RFC 6455 §7.4.1 and the IANA registry; a
-# camera session's are documented in README.md).
+# camera session's are documented in docs/wire.md §10).
 CLOSE_AUTH = 1008  # policy violation: no or wrong key, and any refusal given no other code
 CLOSE_UNSUPPORTED = 1003  # unsupported data: not JSON, not an image, an unknown message type
 CLOSE_TOO_BIG = 1009  # a frame or message over the size limit

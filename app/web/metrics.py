@@ -15,7 +15,7 @@ Three sources, so that call sites stay few:
 
 Each app has its own `CollectorRegistry` (never the process-wide default): tests build many apps
 in one process, and two servers in one process must not share counts. Every name, type and label
-is listed in README.md ("Metrics and logs").
+is listed in docs/wire.md §11.2.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ MIN_BUSY_SHARE = 0.05
 
 @dataclass(frozen=True)
 class PacingRules:
-    """The knobs (Settings' stream section; README's table says what each means)."""
+    """The knobs (Settings' stream section; docs/configuration.md says what each means)."""
 
     min_session_fps: float  # the fewest answers a second an admitted session is promised
     max_session_fps: float  # the most a session is asked for: next_frame_ms never goes below 1000 / this

@@ -4,7 +4,7 @@ The client sends a `config` message holding a decision request, then frames (bin
 messages, or JSON `{"type": "frame", "image": "data:image/...;base64,..."}`). Each frame becomes
 one decision with the frame as its image. One decision is in flight per session and the latest
 frame wins: a frame that arrives meanwhile replaces the pending one, and the replaced frame is
-reported as dropped in the next result. The protocol is documented in README.md ("Camera sessions").
+reported as dropped in the next result. The protocol is documented in docs/wire.md §10.
 
 A session's two loops (receiving, deciding) run in one task group: when either fails, the other is
 cancelled and the socket closes with 1011 and a reason, so no session keeps taking frames it will

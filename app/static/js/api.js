@@ -63,7 +63,7 @@ export function errorMessage(status, body, text = "") {
   return `HTTP ${status}: ${(message ?? text ?? "").slice(0, 200)}`;
 }
 
-// A camera session on /v1/stream (see README "Camera sessions"). The server decides one frame at a
+// A camera session on /v1/stream (see docs/wire.md §10). The server decides one frame at a
 // time; frames sent while one is in flight replace each other (latest wins) and come back as
 // `dropped` in the next result.
 export class StreamSession {

@@ -3,7 +3,7 @@
 // only after a danger label (ask_if, server-side), says which half of the frame the obstacle is in,
 // and the arrow points the other way. One frame is in flight at a time: a result renders and the
 // next frame goes out at the server's pace, next_frame_ms after the previous one (sooner would only
-// make every camera's answers older when the server is shared; see README "Camera sessions").
+// make every camera's answers older when the server is shared; see docs/wire.md §10).
 //
 // A walking aid must never show an old answer as if it were current: every shown answer carries its
 // age, counted from the capture of its frame, and an answer older than STALE_MS (or none at all: a
