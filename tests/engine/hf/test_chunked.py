@@ -315,9 +315,22 @@ def test_no_generation_turn_encodes_more_than_prefill_chunk_tokens(tiny_dir, tok
         ids = kwargs.get("input_ids")
         encoded.append(int((embeds if embeds is not None else ids).shape[1]))
 
-    step = reader._generation_pass
+    start, step = runner.start_steps, runner.step_generation
 
-    def turn(*args):
+    def counted_start(*args):
+        """The prompt's encoding, each step of it (a turn) counted."""
+        inner = start(*args)
+        while True:
+            encoded.clear()  # (a read's turn between two steps encodes too)
+            try:
+                next(inner)
+            except StopIteration as stop:
+                per_turn.append(sum(encoded))
+                return stop.value
+            per_turn.append(sum(encoded))
+            yield
+
+    def counted_step(*args):
         encoded.clear()
         try:
             return step(*args)
@@ -325,7 +338,7 @@ def test_no_generation_turn_encodes_more_than_prefill_chunk_tokens(tiny_dir, tok
             per_turn.append(sum(encoded))
 
     handle = runner.model.model.encoder.language_model.register_forward_pre_hook(count, with_kwargs=True)
-    reader._generation_pass = turn
+    runner.start_steps, runner.step_generation = counted_start, counted_step
     order: list[str] = []
 
     async def scenario():
