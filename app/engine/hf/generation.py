@@ -56,7 +56,7 @@ class GenerationMixin:
         def encode_steps(self, prompt: Prompt, preprocessed: Preprocessed | None = None) -> Generator[None, None, EncodedPrompt]:
             ...
 
-        def _generator(self, seed: int) -> torch.Generator: ...
+        def seeded_generator(self, seed: int) -> torch.Generator: ...
 
         def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -95,7 +95,7 @@ class GenerationMixin:
             with torch.no_grad():
                 cache, length = self._encode_into_cache(spec.prompt, preprocessed)
         # Greedy decoding owes nothing to the seed: its starting canvas comes from a fixed one.
-        generator = self._generator(spec.seed if spec.temperature > 0.0 else 0)
+        generator = self.seeded_generator(spec.seed if spec.temperature > 0.0 else 0)
         return Generation(spec=spec, canvas_length=canvas_length, cache=cache, length=length,
                           prompt_tokens=length, generator=generator, stop=frozenset(spec.stop_ids))
 

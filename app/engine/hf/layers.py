@@ -56,6 +56,12 @@ def attention_inputs(layer: TextLayer, hidden_states: torch.Tensor, cos: torch.T
 
 def feed_forward(layer: TextLayer, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """The layer's output from its attention's output [batch, tokens, heads, head_dim] and its input."""
+    return unscaled_output(layer, attention_out, residual) * layer.layer_scalar
+
+
+def unscaled_output(layer: TextLayer, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """`feed_forward` before the layer's `layer_scalar`: the flat turn scales each token by its own
+    stack's (the encoder's and the decoder's are separate buffers), app/engine/hf/flat/forward.py."""
     hidden = layer.self_attn.o_proj(attention_out.reshape(*residual.shape[:-1], -1).contiguous())
     hidden = residual + layer.post_attention_layernorm(hidden)
     residual = hidden
@@ -64,8 +70,7 @@ def feed_forward(layer: TextLayer, attention_out: torch.Tensor, residual: torch.
     _, top_k_weights, top_k_index = layer.router(flat)
     experts = layer.experts(layer.pre_feedforward_layernorm_2(flat), top_k_index, top_k_weights)
     experts = layer.post_feedforward_layernorm_2(experts.reshape(residual.shape))
-    hidden = residual + layer.post_feedforward_layernorm(dense + experts)
-    return hidden * layer.layer_scalar
+    return residual + layer.post_feedforward_layernorm(dense + experts)
 
 
 @dataclass(frozen=True)

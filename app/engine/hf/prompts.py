@@ -416,7 +416,7 @@ class PromptEncodingMixin:
                 inputs["pixel_values"] = ready.pixel_values.to(self.device, self.model.dtype)
                 inputs["image_position_ids"] = ready.image_position_ids.to(self.device)
         if len(ids) > self.max_prompt_tokens:
-            raise self._too_long(len(ids))
+            raise self.too_long(len(ids))
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         inputs["input_ids"] = input_ids
         if prompt.images:
@@ -507,7 +507,7 @@ class PromptEncodingMixin:
             elif key in pending:
                 pending[key].append(index)
             elif not prompt.images and len(prompt.ids) > self.max_prompt_tokens:
-                results[index] = self._too_long(len(prompt.ids))
+                results[index] = self.too_long(len(prompt.ids))
             else:
                 pending[key] = [index]
         text = [(key, indices) for key, indices in pending.items() if not prompts[indices[0]].images]
@@ -525,7 +525,7 @@ class PromptEncodingMixin:
             except EngineInputError as exc:
                 for index in indices:
                     results[index] = exc
-        self._image_features(expanded, [key[1] for key, _ in embedded])
+        self.image_features(expanded, [key[1] for key, _ in embedded])
         embeds = {key: self.input_embeds(inputs) for (key, _), inputs in zip(embedded, expanded)}
         whole_images, groups = self._by_prefix(embedded, embeds)
         self._encode_whole(whole_images, results, embeds)
@@ -794,7 +794,7 @@ class PromptEncodingMixin:
             for index in indices:
                 results[index] = encoded
 
-    def _image_features(self, expanded: list[dict[str, torch.Tensor]], digests: list[tuple[str, ...]]) -> None:
+    def image_features(self, expanded: list[dict[str, torch.Tensor]], digests: list[tuple[str, ...]]) -> None:
         """Vision features for every prompt that needs them (sets `image_features`): the images of
         all those prompts go through the vision tower together, one pass per patch layout (frames
         of the same size from any number of camera sessions share it), replayed as a CUDA graph
@@ -841,7 +841,7 @@ class PromptEncodingMixin:
         input_ids = inputs["input_ids"]
         embeds = self.model.model.encoder.get_input_embeddings()(input_ids)
         if "pixel_values" in inputs and "image_features" not in inputs:
-            self._image_features([inputs], [()])
+            self.image_features([inputs], [()])
         features = inputs.get("image_features")
         if features is not None:
             mask = (input_ids == self.config.image_token_id).unsqueeze(-1)
@@ -922,7 +922,7 @@ class PromptEncodingMixin:
         with torch.no_grad():
             if prompt.images:  # the image features merged into the whole prompt's embeddings first
                 inputs = self.model_inputs(prompt, reuse_vision=True, preprocessed=preprocessed)
-                self._image_features([inputs], [key[1]])
+                self.image_features([inputs], [key[1]])
                 whole = self.input_embeds(inputs)
                 length = int(whole.shape[0])
 
@@ -935,7 +935,7 @@ class PromptEncodingMixin:
                 def embeds_of(start: int, end: int) -> torch.Tensor:
                     return embed(ids[:, start:end])
         if length > self.max_prompt_tokens:
-            raise self._too_long(length)
+            raise self.too_long(length)
         cache = self._new_cache()
         for index, layer in enumerate(cache.layers):
             if not getattr(layer, "is_sliding", True):
@@ -968,7 +968,7 @@ class PromptEncodingMixin:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _too_long(self, length: int) -> EngineInputError:
+    def too_long(self, length: int) -> EngineInputError:
         return EngineInputError(
             f"the prompt is {length} tokens; this server reads at most {self.max_prompt_tokens}",
             status=400, param="state", error_type="max_tokens_exceeded",

@@ -422,7 +422,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         canvases = [list(specs[index].canvases[canvas_no]) for index, canvas_no in rows]
         prompts = [encoded[index] for index, _ in rows]
         self_conditioning = None
-        generators = [self._generator(specs[index].seed * 1000003 + canvas_no) for index, canvas_no in rows]
+        generators = [self.seeded_generator(specs[index].seed * 1000003 + canvas_no) for index, canvas_no in rows]
         shape = (f"{len(rows)} canvas(es) of up to {max(len(canvas) for canvas in canvases)} tokens over prompts "
                  f"of up to {max(prompt.length for prompt in prompts)}")
         for remaining in range(steps, 0, -1):
@@ -438,7 +438,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
                 logits = self.logits(hidden)
                 for row, (index, _) in enumerate(rows):
                     slots = torch.tensor(specs[index].slots, device=self.device)
-                    self._denoise_positions(canvases[row], logits[row, slots], temperature, list(specs[index].slots),
+                    self.denoise_positions(canvases[row], logits[row, slots], temperature, list(specs[index].slots),
                                             generators[row])
                 self_conditioning = (logits / temperature).to(self.model.dtype)
             # Host time: the pass is queued, the sampling waits for it (each row's tokens come back).
@@ -449,37 +449,44 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
 
     def _slot_reads(self, hidden: torch.Tensor, specs: Sequence[ReadSpec]) -> list[tuple[SlotRead, ...]]:
         """Every row's slot reads from the decoder's hidden states [rows, width, H] (row r holds a
-        canvas of specs[r]): the slots of all rows go through the unembedding together, SLOT_CHUNK
-        at a time (the 262k-row matrix is read once per chunk, not once per canvas), and each chunk's
-        label log-probabilities and argmaxes come to the host in one copy."""
-        slots = [(row, position, label_ids) for row, spec in enumerate(specs)
-                 for position, label_ids in zip(spec.slots, spec.label_ids)]
-        values: list[float] = []
-        argmaxes: list[int] = []
-        for start in range(0, len(slots), SLOT_CHUNK):
-            chunk = slots[start:start + SLOT_CHUNK]
-            rows = torch.tensor([row for row, _, _ in chunk], device=self.device)
-            positions = torch.tensor([position for _, position, _ in chunk], device=self.device)
-            logprobs = torch.log_softmax(self.logits(hidden[rows, positions]), dim=-1)
-            label_slots = torch.tensor([i for i, (_, _, ids) in enumerate(chunk) for _ in ids], dtype=torch.long,
-                                       device=self.device)
-            label_ids = torch.tensor([t for _, _, ids in chunk for t in ids], dtype=torch.long, device=self.device)
-            both = torch.cat([logprobs[label_slots, label_ids].double(), logprobs.argmax(dim=-1).double()]).tolist()
-            values.extend(both[: len(label_ids)])
-            argmaxes.extend(int(v) for v in both[len(label_ids):])
-        reads: list[list[SlotRead]] = [[] for _ in specs]
+        canvas of specs[r]), through `slot_reads_at`."""
+        slots = [(row, position) for row, spec in enumerate(specs) for position in spec.slots]
+        rows = torch.tensor([row for row, _ in slots], device=self.device)
+        positions = torch.tensor([position for _, position in slots], device=self.device)
+        flat = self.slot_reads_at(hidden[rows, positions], [ids for spec in specs for ids in spec.label_ids])
+        reads: list[tuple[SlotRead, ...]] = []
         offset = 0
-        for (row, _, label_ids), argmax in zip(slots, argmaxes):
-            reads[row].append(SlotRead(label_logprobs=tuple(values[offset:offset + len(label_ids)]), argmax_id=argmax))
-            offset += len(label_ids)
-        return [tuple(row_reads) for row_reads in reads]
+        for spec in specs:
+            reads.append(tuple(flat[offset:offset + len(spec.slots)]))
+            offset += len(spec.slots)
+        return reads
 
-    def _generator(self, seed: int) -> torch.Generator:
+    def slot_reads_at(self, hidden: torch.Tensor, labels: Sequence[Sequence[int]]) -> list[SlotRead]:
+        """What each slot says, from its hidden state [slots, H] and its label ids: the slots go through
+        the unembedding together, SLOT_CHUNK at a time (the 262k-row matrix is read once per chunk, not
+        once per canvas), and each chunk's label log-probabilities and argmaxes come to the host in one
+        copy."""
+        reads: list[SlotRead] = []
+        for start in range(0, len(labels), SLOT_CHUNK):
+            chunk = labels[start:start + SLOT_CHUNK]
+            logprobs = torch.log_softmax(self.logits(hidden[start:start + len(chunk)]), dim=-1)
+            label_slots = torch.tensor([i for i, ids in enumerate(chunk) for _ in ids], dtype=torch.long,
+                                       device=self.device)
+            label_ids = torch.tensor([t for ids in chunk for t in ids], dtype=torch.long, device=self.device)
+            both = torch.cat([logprobs[label_slots, label_ids].double(), logprobs.argmax(dim=-1).double()]).tolist()
+            values, argmaxes = both[: len(label_ids)], both[len(label_ids):]
+            offset = 0
+            for ids, argmax in zip(chunk, argmaxes):
+                reads.append(SlotRead(label_logprobs=tuple(values[offset:offset + len(ids)]), argmax_id=int(argmax)))
+                offset += len(ids)
+        return reads
+
+    def seeded_generator(self, seed: int) -> torch.Generator:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed % (2**63))
         return generator
 
-    def _denoise_positions(
+    def denoise_positions(
         self, canvas: list[int], logits: torch.Tensor, temperature: float, positions: list[int],
         generator: torch.Generator,
     ) -> None:
