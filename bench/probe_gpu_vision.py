@@ -1,8 +1,8 @@
 """Which attention kernel the engine's vision pass runs, and what the pass costs with each.
 
-bench/probe_gpu_sdpa.py timed SDPA alone at the vision tower's shape (a layer of 8 frames: cuDNN
-0.749 ms, the memory-efficient kernel 1.955 on the H200), so the tower's attention takes cuDNN
-first (app/engine/hf/layers.py `VISION_ATTENTION`). The served walk turn's vision stage did not
+SDPA timed alone at the vision tower's shape (a layer of 8 frames: cuDNN 0.749 ms, the
+memory-efficient kernel 1.955 on the H200) is why the tower's attention takes cuDNN first
+(app/engine/hf/layers.py `VISION_ATTENTION`). The served walk turn's vision stage did not
 move (22.4 ms against 23.0 before, docs/benchmarks.md). This probe times the pass the engine runs
 (app/engine/hf/graphs/vision.py `VisionGraphs`: the model's own modules, a real walk frame's patch
 layout, the tower's padding mask) at 1, 4 and 8 frames, for each kernel order, with the layers

@@ -33,8 +33,8 @@ import triton.language as tl  # pyright: ignore[reportMissingImports]  # optiona
 from triton.runtime.jit import JITFunction  # pyright: ignore[reportMissingImports]  # optional: Triton
 
 # (query rows a program holds, keys a step reads, warps, pipeline stages, parts of the head size the
-# accumulator is split into), per head size: the fastest of bench/probe_gpu_attention.py's tiles on
-# an H200 (docs/benchmarks.md).
+# accumulator is split into), per head size: the fastest of the candidate tiles timed on an H200
+# (docs/benchmarks.md).
 TILES: dict[int, tuple[int, int, int, int, int]] = {512: (128, 64, 8, 1, 2), 256: (128, 64, 8, 1, 1)}
 SMALL_TILE = (64, 32, 4, 1, 1)  # any other head size (the tiny test model's)
 
