@@ -20,7 +20,7 @@ def knob_app(**services: object) -> TestClient:
 
 def test_the_headroom_knob_sets_the_pacers_admission_share_and_keeps_its_estimate():
     pacer = Pacer(PacingRules(min_session_fps=1.5, max_session_fps=4, capacity_start=8, headroom=0.8, window_s=2))
-    pacer.capacity = 39.0  # the 64-camera row's answers/s on the H200 (12-03)
+    pacer.capacity = 39.0  # the 64-camera row's answers/s in the served bench on the H200
     client = knob_app(pacer=pacer)
     for _ in range(20):
         assert pacer.admit(f"camera {len(pacer.sessions)}").admitted

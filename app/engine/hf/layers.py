@@ -251,8 +251,8 @@ def choose_attention_kernels() -> None:
     the H200 one such call took 1,641 ms, the first sliding layer of an eager 32-row decoder pass
     over a prompt length not seen before (the other 24 reused its plan), and the served passes meet
     new lengths all the time, since each new state's prompt has its own (docs/benchmarks.md, the
-    2026-12-03 probe). SDPA's memory-efficient kernel, which the full-attention layers' 512-wide heads
-    took already, builds nothing."""
+    first call of each kernel at each served shape). SDPA's memory-efficient kernel, which the
+    full-attention layers' 512-wide heads took already, builds nothing."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
@@ -285,8 +285,8 @@ def _split_forward(layer: TextLayer, inputs: Callable[..., tuple[torch.Tensor, t
 # captured before ready, so cuDNN builds its plan for each once, at capture, never in a served turn
 # (the text passes leave cuDNN out for that: `choose_attention_kernels`). Steady, cuDNN took 0.109 /
 # 0.749 ms a layer for 1 / 8 frames against the memory-efficient kernel's 0.272 / 1.955 on the H200
-# (docs/benchmarks.md, the 2026-12-04 probe). Without graphs (CUDA_GRAPHS=0) the first pass of each
-# image count builds its plan on the host: up to 0.6 s, once.
+# (docs/benchmarks.md, SDPA timed alone at the tower's shapes). Without graphs (CUDA_GRAPHS=0) the
+# first pass of each image count builds its plan on the host: up to 0.6 s, once.
 VISION_ATTENTION = (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION,
                     SDPBackend.MATH)
 
