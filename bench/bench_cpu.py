@@ -63,27 +63,20 @@ from bench.common import (  # noqa: E402 - the repository root must be importabl
     tiny_server,
     write_json,
 )
+from bench.workload import TICKET_QUESTIONS, ticket  # noqa: E402
 
 if TYPE_CHECKING:
     from app.engine.base import ReadResult, ReadSpec
 
 # The ticket example of README.md (the first curl), with one noise draw.
 TICKET = "Everything is down and we have a demo at noon."
-QUESTIONS = {
-    "urgent": {"type": "noul", "instructions": "Does the customer need a reply within the hour?"},
-    "team": {"type": "choice", "instructions": "Which team owns this?",
-             "criteria": {"billing": None, "outage": "service down", "feature": None}},
-    "tone": {"type": "score", "instructions": "How angry is the customer?",
-             "criteria": ["calm", "annoyed", "furious"]},
-}
-QUESTIONS_PER_DECISION = len(QUESTIONS)
+QUESTIONS_PER_DECISION = len(TICKET_QUESTIONS)
 HTTP_TIMEOUT_S = 60.0
 
 
 def ticket_body(tag: str | None = None) -> dict[str, Any]:
     """The ticket decision; a tag makes the state (and so the prompt) unique."""
-    ticket = TICKET if tag is None else f"{TICKET} Ticket {tag}."
-    return {"model": "jev-latest", "state": {"ticket": ticket}, "samples": 1, "questions": QUESTIONS}
+    return ticket(TICKET if tag is None else f"{TICKET} Ticket {tag}.", model="jev-latest")
 
 
 class SpecRecorder:

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import CollectorPauses, fmt, header, latency_summary, machine, markdown_table, write_json  # noqa: E402
 from bench.naive import measure_naive, ratio  # noqa: E402
+from bench.workload import CANVAS_WIDTH, SLOTS, Specs  # noqa: E402
 
 # The published config of google/diffusiongemma-26B-A4B-it. The rest -- RoPE per layer type, softcap 30,
 # tied embeddings, the 5:1 sliding:full pattern with the last layer full -- are the config class's
@@ -60,9 +61,6 @@ FULL_TEXT_CONFIG: dict[str, Any] = dict(
     max_position_embeddings=262_144,
     use_bidirectional_attention="vision",
 )
-CANVAS_WIDTH = 32
-SLOTS = (4, 12, 20)  # where the three answers sit on the canvas
-LABELS_PER_SLOT = (2, 3, 3)  # noul, a 3-way choice, a 3-level score: the README's ticket example
 BATCHES = (1, 8, 32)
 SAMPLES = 4
 
@@ -93,37 +91,6 @@ def build_model(config: Any, device: str, dtype: Any, experts: str | None) -> An
     if experts and getattr(model.config, "_experts_implementation", experts) != experts:
         model.set_experts_implementation(experts)
     return model.eval()
-
-
-class Specs:
-    """Real-shaped reads: random prompt ids (clear of the special and image ids) and a random canvas."""
-
-    def __init__(self, vocab_size: int, prompt_tokens: int, seed: int = 0) -> None:
-        import torch
-
-        self.generator = torch.Generator().manual_seed(seed)
-        self.low, self.high = 100, min(vocab_size, 250_000)  # ids >= 255999 are image tokens in the real vocab
-        self.prompt_tokens = prompt_tokens
-        # Label ids are arbitrary ordinary ids; only their count per slot matters for the cost.
-        self.labels = tuple(tuple(range(self.low + 10 * slot, self.low + 10 * slot + n))
-                            for slot, n in enumerate(LABELS_PER_SLOT))
-
-    def ids(self, count: int) -> tuple[int, ...]:
-        import torch
-
-        return tuple(torch.randint(self.low, self.high, (count,), generator=self.generator).tolist())
-
-    def read(self, canvases: int = 1) -> Any:
-        from app.engine.base import Prompt, ReadSpec
-
-        base = list(self.ids(CANVAS_WIDTH))
-        rows = []
-        for _ in range(canvases):  # the noise draws differ only at the slots
-            row = list(base)
-            for slot, noise in zip(SLOTS, self.ids(len(SLOTS))):
-                row[slot] = noise
-            rows.append(tuple(row))
-        return ReadSpec(Prompt(self.ids(self.prompt_tokens)), tuple(rows), SLOTS, self.labels, steps=1, seed=0)
 
 
 def read_all(runner: Any, specs: list[Any]) -> None:

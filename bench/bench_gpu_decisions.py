@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import os
 import random
 import statistics
@@ -48,15 +47,8 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from bench.naive import measure_naive, ratio  # noqa: E402
+from bench.workload import frames, noul_questions, state_of, ticket, ticket_request  # noqa: E402
 
-TICKET_QUESTIONS = {
-    "urgent": {"type": "noul", "instructions": "Does the customer need a reply within the hour?"},
-    "team": {"type": "choice", "instructions": "Which team owns this?",
-             "criteria": {"billing": None, "outage": "service down", "feature": None}},
-    "tone": {"type": "score", "instructions": "How angry is the customer?", "criteria": ["calm", "annoyed", "furious"]},
-}
-WORDS = ("server", "invoice", "login", "refund", "outage", "demo", "password", "crash", "slow", "billing",
-         "upgrade", "cancel", "error", "timeout", "urgent", "manager", "contract", "export", "report", "api")
 AHEAD = {"type": "choice", "instructions": (
     "You are the eyes of a person walking forward. Judge only the center of the image, a window about 30 "
     "degrees wide directly ahead. If nothing is within 2 meters there, say all clear."), "criteria": {
@@ -69,34 +61,6 @@ AHEAD = {"type": "choice", "instructions": (
 SIDE = {"type": "choice", "instructions": "There is an obstacle ahead. Where is the nearest obstacle in the frame?",
         "criteria": {"left half": None, "right half": None}, "depends_on": ["ahead"]}
 WALK_STATE = {"note": "one frame from a phone's back camera, pointed the way the person is walking"}
-
-
-def ticket(rng: random.Random) -> dict:
-    words = " ".join(rng.choice(WORDS) for _ in range(20))
-    return {"state": {"ticket": f"{words} #{rng.randrange(10**9)}"}, "questions": TICKET_QUESTIONS, "samples": 1}
-
-
-_FRAMES_MADE = [0]  # every call of frames() draws new frames: a live camera never repeats one
-
-
-def frames(count: int) -> list[bytes]:
-    """`count` 512x384 JPEG frames, none equal to any frame drawn before in this process (so neither
-    the prompt KV cache nor the vision cache can serve a frame as "new")."""
-    from PIL import Image, ImageDraw
-
-    out = []
-    first = _FRAMES_MADE[0]
-    _FRAMES_MADE[0] += count
-    for index in range(first, first + count):
-        image = Image.new("RGB", (512, 384), (150, 150, 150))
-        draw = ImageDraw.Draw(image)
-        draw.rectangle((0, 192, 512, 384), fill=(100, 100, 100))
-        x = (index * 53) % 400
-        draw.rectangle((x, 120, x + 110, 300), fill=(40 + index % 50, 40 + index // 50 % 200, 40))
-        buffer = io.BytesIO()
-        image.save(buffer, "JPEG", quality=70)
-        out.append(buffer.getvalue())
-    return out
 
 
 # --vision-attention: which kernel the vision tower's attention tries first (an A/B of
@@ -205,7 +169,7 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
         rng = random.Random(seed * 1000 + number)
         while time.perf_counter() < deadline:
             started = time.perf_counter()
-            await decider.decide(parse_decision(ticket(rng), build.limits(Settings())))
+            await decider.decide(parse_decision(ticket_request(rng), build.limits(Settings())))
             latencies.append(time.perf_counter() - started)
 
     started = time.perf_counter()
@@ -225,20 +189,6 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
             "encoder_passes_per_request": delta.get("encoder_passes", 0) / max(requests, 1),
             "over_a_prefix_share": delta.get("prefix_hits", 0) / max(delta.get("kv_misses", 0), 1),
             "timeline": {**batch_timeline(batches, elapsed), **pauses.summary()}}
-
-
-def questions(count: int) -> dict:
-    return {f"q{i}": {"type": "noul", "instructions": f"Does the ticket mention item {i}?"} for i in range(count)}
-
-
-def state_of(tokenizer: Any, tokens: int, rng: random.Random) -> str:
-    """A ticket text of about `tokens` tokens (the template adds a hundred or so more)."""
-    sample = [rng.choice(WORDS) for _ in range(400)]
-    per_word = len(tokenizer.encode(" ".join(sample))) / len(sample)
-    words = [rng.choice(WORDS) for _ in range(max(1, int(tokens / per_word)))]
-    while len(words) > 1 and len(tokenizer.encode(" ".join(words))) > tokens:
-        words = words[: int(len(words) * 0.97)]
-    return " ".join(words) + f" #{rng.randrange(10**9)}"
 
 
 def breakdown(runner: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, float]:
@@ -368,9 +318,9 @@ async def unshared(decider: Any, reader: Any, args: argparse.Namespace, rng: ran
     prefixes = runner.prefixes
     runner.prefixes = PromptCache(0)
     try:
-        await timed_decisions(decider, [ticket(rng) for _ in range(2)])
+        await timed_decisions(decider, [ticket_request(rng) for _ in range(2)])
         result: dict[str, Any] = {"unique": latency_summary(await timed_decisions(
-            decider, [ticket(rng) for _ in range(args.reps)])), "curve": []}
+            decider, [ticket_request(rng) for _ in range(args.reps)])), "curve": []}
         print(f"  no shared prefixes: one decision {result['unique']['p50_ms']:.1f} ms new state", flush=True)
         for clients in args.unshared_levels:
             result["curve"].append(await level(decider, reader, args, clients, (clients + 4000, clients + 5000),
@@ -419,10 +369,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     decider = Decider(reader, build.read_settings(settings))
     rng = random.Random(0)
     try:
-        await timed_decisions(decider, [ticket(rng) for _ in range(args.warmup)])
+        await timed_decisions(decider, [ticket_request(rng) for _ in range(args.warmup)])
         settle_heap()  # as load_hf_reader does once the model is loaded and warmed up
-        results["unique"] = latency_summary(await timed_decisions(decider, [ticket(rng) for _ in range(args.reps)]))
-        same = ticket(rng)
+        results["unique"] = latency_summary(await timed_decisions(decider, [ticket_request(rng) for _ in range(args.reps)]))
+        same = ticket_request(rng)
         await timed_decisions(decider, [same])
         results["cached"] = latency_summary(await timed_decisions(decider, [same] * args.reps))
         print(f"  one decision: {results['unique']['p50_ms']:.1f} ms new state, "
@@ -449,9 +399,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         results["think"] = []
         for think in args.think:
-            await timed_decisions(decider, [{**ticket(rng), "think": think}])
+            await timed_decisions(decider, [{**ticket_request(rng), "think": think}])
             before = dict(reader.stats)
-            seconds = await timed_decisions(decider, [{**ticket(rng), "think": think} for _ in range(args.think_reps)])
+            seconds = await timed_decisions(decider, [{**ticket_request(rng), "think": think} for _ in range(args.think_reps)])
             passes = stat_delta(reader, before, "generation_passes") / args.think_reps
             summary = latency_summary(seconds)
             per_pass = (summary["p50_ms"] - results["unique"]["p50_ms"]) / passes if passes else float("nan")
@@ -487,7 +437,7 @@ async def grids(decider: Any, reader: Any, args: argparse.Namespace, rng: random
     out: dict[str, list] = {"questions": [], "prompts": [], "images": []}
     for count in (1, 10, 50, 256):
         def make(count: int = count) -> dict:
-            return {"state": {"ticket": f"ticket #{rng.randrange(10**9)}"}, "questions": questions(count), "samples": 1}
+            return ticket(f"ticket #{rng.randrange(10**9)}", noul_questions(count))
 
         await timed_decisions(decider, [make()])
         before = dict(reader.stats)
@@ -497,7 +447,7 @@ async def grids(decider: Any, reader: Any, args: argparse.Namespace, rng: random
         print(f"  {count} questions: {summary['p50_ms']:.0f} ms", flush=True)
     for tokens in args.grid_prompts:
         def body(tokens: int = tokens) -> dict:
-            return {"state": state_of(reader.tokenizer, tokens - 150, rng), "questions": TICKET_QUESTIONS, "samples": 1}
+            return ticket(state_of(reader.tokenizer, tokens - 150, rng))
 
         try:
             await timed_decisions(decider, [body()])

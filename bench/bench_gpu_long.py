@@ -35,23 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_gpu_served import load_random, spawn_server, wait_ready  # noqa: E402
 from bench.common import header, latency_summary, machine, markdown_table, percentile, write_json  # noqa: E402
-from bench.served_load import WORDS, ticket_request  # noqa: E402
+from bench.workload import state_of, ticket_request  # noqa: E402
 
 QUESTION = {"q": {"type": "noul", "instructions": "Does the document ask for a refund?"}}
-
-
-def state_of(tokenizer: Any, tokens: int, rng: random.Random) -> str:
-    """A document of about `tokens` tokens with the tokenizer given: enough random words, then the
-    longest run of them within `tokens` (a bisection over the word count)."""
-    words = [rng.choice(WORDS) for _ in range(tokens)]  # every word is at least one token
-    low, high = 1, len(words)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if len(tokenizer.encode(" ".join(words[:middle]))) <= tokens:
-            low = middle
-        else:
-            high = middle - 1
-    return " ".join(words[:low])
 
 
 def body_of(state: str) -> dict[str, Any]:

@@ -61,6 +61,7 @@ from bench.served_load import (  # noqa: E402
     HEAVY_KINDS,
     auth_headers,
     merge,
+    shares,
     worker_main,
 )
 
@@ -386,10 +387,6 @@ def plan(args: argparse.Namespace) -> list[Row]:
         rows = [dataclasses.replace(row, name=f"{row.name}, headroom {share:g}", headroom=share)
                 for row in rows for share in args.session_headroom]
     return rows
-
-
-def shares(total: int, parts: int) -> list[int]:
-    return [total // parts + (1 if index < total % parts else 0) for index in range(parts)]
 
 
 def worker_specs(row: Row, number: int, args: argparse.Namespace, url: str, api_key: str) -> list[dict[str, Any]]:

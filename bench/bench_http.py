@@ -45,19 +45,10 @@ from bench.common import (  # noqa: E402
     vllm_cpu_env,
     write_json,
 )
+from bench.workload import TICKET_QUESTIONS, ticket  # noqa: E402
 
-QUESTIONS = {
-    "urgent": {"type": "noul", "instructions": "Does the customer need a reply within the hour?"},
-    "team": {"type": "choice", "instructions": "Which team owns this?",
-             "criteria": {"billing": None, "outage": "service down", "feature": None}},
-    "tone": {"type": "score", "instructions": "How angry is the customer?", "criteria": ["calm", "annoyed", "furious"]},
-}
 VLLM_ENV = vllm_cpu_env()  # vLLM's CPU build as the tests run it (scripts/vllm_cpu/cpu.env)
 _unique = itertools.count()
-
-
-def ticket(state: str, steps: int = 1) -> dict:
-    return {"state": {"ticket": state}, "questions": QUESTIONS, "samples": 1, "steps": steps, "seed": 1}
 
 
 def fresh_state() -> str:
@@ -76,9 +67,9 @@ async def one_decision(url: str, repeats: int) -> list[list]:
     rows = []
     async with httpx.AsyncClient(timeout=600) as client:
         for steps in (1, 2, 3):
-            await post(client, url, ticket("warm-up", steps))
-            new = [await post(client, url, ticket(fresh_state(), steps)) for _ in range(repeats)]
-            same = [await post(client, url, ticket("the same state every time", steps)) for _ in range(repeats)]
+            await post(client, url, ticket("warm-up", steps=steps, seed=1))
+            new = [await post(client, url, ticket(fresh_state(), steps=steps, seed=1)) for _ in range(repeats)]
+            same = [await post(client, url, ticket("the same state every time", steps=steps, seed=1)) for _ in range(repeats)]
             rows.append([f"steps {steps}", fmt(percentile(new, 50) * 1000), fmt(percentile(same, 50) * 1000)])
     return rows
 
@@ -93,13 +84,13 @@ async def concurrency(url: str, levels: list[int], seconds: float) -> list[list]
 
             async def loop() -> None:
                 while time.perf_counter() < deadline:
-                    latencies.append(await post(client, url, ticket(fresh_state())))
+                    latencies.append(await post(client, url, ticket(fresh_state(), steps=1, seed=1)))
 
             started = time.perf_counter()
             await asyncio.gather(*(loop() for _ in range(clients)))
             elapsed = time.perf_counter() - started
             rate = len(latencies) / elapsed
-            rows.append([clients, fmt(rate, 2), fmt(rate * len(QUESTIONS), 1), fmt(percentile(latencies, 50), 2),
+            rows.append([clients, fmt(rate, 2), fmt(rate * len(TICKET_QUESTIONS), 1), fmt(percentile(latencies, 50), 2),
                          fmt(percentile(latencies, 95), 2)])
     return rows
 
@@ -108,7 +99,8 @@ async def long_states(url: str, sizes: list[int]) -> list[list]:
     rows = []
     async with httpx.AsyncClient(timeout=1800) as client:
         for words in sizes:
-            body = ticket(f"Log {next(_unique)}. " + "The service is down again and the customer is angry. " * (words // 10))
+            body = ticket(f"Log {next(_unique)}. " + "The service is down again and the customer is angry. " * (words // 10),
+                          steps=1, seed=1)
             cold = await post(client, url, body)
             response = await client.post(f"{url}/v1/systemone", json=body)
             tokens = response.json()["usage"]["input_tokens"]

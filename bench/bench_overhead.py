@@ -180,7 +180,8 @@ def client_main(url: str, clients: int, seconds: float, seed: int, workload: str
     import httpx
     from websockets.exceptions import ConnectionClosed
 
-    from bench.served_load import WALK_REQUEST, FrameMaker, Refused, open_camera, post_decision, ticket_request
+    from bench.served_load import Refused, open_camera, post_decision
+    from bench.workload import WALK_REQUEST, FrameMaker, ticket_request
 
     maker = FrameMaker(f"overhead-{seed}")
     frames = [maker.make(FRAMES_PER_CLIENT) for _ in range(clients)] if workload != "ticket" else []
@@ -242,6 +243,7 @@ def client_main(url: str, clients: int, seconds: float, seed: int, workload: str
 
 def level(clients: int, processes: int, seconds: float, workload: str = "ticket") -> dict[str, Any]:
     from app.server import free_port
+    from bench.served_load import shares
 
     context = multiprocessing.get_context("spawn")
     port = free_port()
@@ -252,11 +254,10 @@ def level(clients: int, processes: int, seconds: float, workload: str = "ticket"
     if not ready.wait(120):
         server.kill()
         raise SystemExit("the server did not come up")
-    shares = [clients // processes + (1 if i < clients % processes else 0) for i in range(processes)]
     url = f"http://127.0.0.1:{port}"
     workers = [context.Process(target=client_main, daemon=True,
                                args=(url, share, seconds + CLIENTS_AFTER_S, i, workload, armed, go, latencies))
-               for i, share in enumerate(shares) if share]
+               for i, share in enumerate(shares(clients, processes)) if share]
     for worker in workers:
         worker.start()
     for _ in workers:

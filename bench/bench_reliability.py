@@ -48,14 +48,17 @@ from bench.common import (  # noqa: E402
     tiny_reader,
     write_json,
 )
+from bench.workload import ticket  # noqa: E402
 
 HTTP_TIMEOUT_S = 300.0
+# Two questions a decision: the load the reliability figures (docs/reliability.md) were measured under.
+QUESTIONS = {"urgent": {"type": "noul", "instructions": "Reply within the hour?"},
+             "team": {"type": "choice", "criteria": {"billing": None, "outage": None}}}
 
 
-def ticket(tag: str) -> dict[str, Any]:
-    return {"state": {"ticket": f"Everything is down ({tag}); we have a demo at noon."}, "samples": 1,
-            "questions": {"urgent": {"type": "noul", "instructions": "Reply within the hour?"},
-                          "team": {"type": "choice", "criteria": {"billing": None, "outage": None}}}}
+def request(tag: str) -> dict[str, Any]:
+    """A two-question decision with a state of its own (`tag`)."""
+    return ticket(f"Everything is down ({tag}); we have a demo at noon.", QUESTIONS)
 
 
 def huge() -> dict[str, Any]:
@@ -74,7 +77,7 @@ def rss_mib() -> float:
 
 def closed_loop(url: str, clients: int, seconds: float, tag: str) -> dict[str, Any]:
     """`clients` closed loops of two-question decisions, each with its own state (bench_cpu's loop)."""
-    return bench_cpu_load(url, clients, seconds, tag, ticket)
+    return bench_cpu_load(url, clients, seconds, tag, request)
 
 
 def poll_health(url: str, seconds: float, every: float = 0.02) -> list[float]:
@@ -147,7 +150,7 @@ def load_level(url: str, seconds: float, busy: bool) -> dict[str, Any]:
 def think_interference(url: str, seconds: float) -> dict[str, Any]:
     with pool(2) as workers:
         alone = workers.submit(closed_loop, url, 8, seconds, "alone").result()
-        thinker = workers.submit(post_once, url, {**ticket("thinker"), "think": 4096}, 0.0)
+        thinker = workers.submit(post_once, url, {**request("thinker"), "think": 4096}, 0.0)
         time.sleep(0.5)
         beside = workers.submit(closed_loop, url, 8, seconds, "beside").result()
         status, think_s, message = thinker.result()
@@ -217,7 +220,7 @@ def faults(checkpoint: Path) -> dict[str, Any]:
             for mode in ("raise", "hang", "garbage", "ok"):
                 reader.mode = mode
                 t0 = time.perf_counter()
-                response = client.post("/v1/systemone", json=ticket(mode))
+                response = client.post("/v1/systemone", json=request(mode))
                 out[mode] = {"status": response.status_code, "s": round(time.perf_counter() - t0, 2),
                              "message": response.json().get("error", {}).get("message", "")[:100]
                              if response.status_code != 200 else ""}

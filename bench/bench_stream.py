@@ -28,7 +28,6 @@ Usage: python bench/bench_stream.py [--frames 40] [--warmup 3] [--blocked] [--to
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 import time
@@ -49,64 +48,9 @@ from bench.common import (  # noqa: E402 - the repository root must be importabl
     tiny_server,
     write_json,
 )
+from bench.workload import FRAME_SIZE, JPEG_QUALITY, WALK_REQUEST, FrameMaker  # noqa: E402
 
-DANGERS = ["danger: stairs", "danger: wall ahead", "danger: object ahead", "danger: pet ahead"]
-# The walk page's request, think off (app/static/js/walk.js buildRequest; docs/behavior.md §7).
-WALK_REQUEST: dict[str, Any] = {
-    "model": "jev-latest",
-    "samples": 1,
-    "state": {"note": "one frame from a phone's back camera, pointed the way the person is walking; "
-                      "only the center 30 degrees matters"},
-    "questions": {
-        "ahead": {
-            "type": "choice",
-            "instructions": (
-                "You are the eyes of a person walking forward. Judge only the center of the image: a window "
-                "about 30 degrees wide directly ahead. Ignore everything to the sides. If there is no obstacle "
-                "within 2 meters in that window, say all clear ahead; otherwise name the nearest hazard."
-            ),
-            "criteria": {
-                "all clear ahead": "the path straight ahead is free for at least 2 meters",
-                "danger: stairs": "stairs, steps or a curb ahead, up or down",
-                "danger: wall ahead": "a wall, fence or closed barrier ahead",
-                "danger: object ahead": "furniture, a pole, a parked bike, a box or another object in the path",
-                "danger: pet ahead": "a dog, cat or other animal in the path",
-                "door ahead": "a door directly ahead, open or closed",
-            },
-        },
-        "side": {
-            "type": "choice",
-            "instructions": "There is an obstacle ahead. Where is the nearest obstacle, stairs, wall or "
-                            "obstruction in the frame?",
-            "criteria": {"left half": None, "right half": None},
-            "ask_if": {"ahead": DANGERS},
-        },
-    },
-}
-FRAME_WIDTH, FRAME_HEIGHT = 512, 384  # the walk page scales frames to 512 px wide (4:3 camera)
-JPEG_QUALITY = 70  # the walk page encodes at 0.7
 TIMEOUT_S = 60.0
-
-
-def make_frames(count: int = 4) -> list[bytes]:
-    """A few distinct synthetic corridor frames: a floor, a wall, an obstacle at different places,
-    with sensor-like noise so the JPEGs have a camera frame's size rather than a flat image's."""
-    from PIL import Image, ImageDraw
-
-    frames = []
-    for index in range(count):
-        image = Image.new("RGB", (FRAME_WIDTH, FRAME_HEIGHT), (170, 170, 165))
-        draw = ImageDraw.Draw(image)
-        draw.rectangle([0, FRAME_HEIGHT // 2, FRAME_WIDTH, FRAME_HEIGHT], fill=(120, 110, 100))  # floor
-        if index % count:  # frame 0 is a clear corridor; the others hold a box left, center, right...
-            x = (index * FRAME_WIDTH // count) - 60
-            draw.rectangle([x, FRAME_HEIGHT // 3, x + 140, FRAME_HEIGHT - 40], fill=(50, 45, 40))
-        noise = Image.effect_noise((FRAME_WIDTH, FRAME_HEIGHT), 24).convert("RGB")
-        image = Image.blend(image, noise, 0.15)
-        buffer = io.BytesIO()
-        image.save(buffer, format="JPEG", quality=JPEG_QUALITY)
-        frames.append(buffer.getvalue())
-    return frames
 
 
 class WebsocketTransport:
@@ -227,7 +171,7 @@ def report(results: dict[str, Any], frames: list[bytes], blocked: bool) -> str:
              else "the walk page's request (`side` only after a danger label)")
     return "\n".join([
         f"Request: {asked}.",
-        f"Frames: {len(frames)} distinct {FRAME_WIDTH}x{FRAME_HEIGHT} JPEGs (quality {JPEG_QUALITY}; {sizes}), "
+        f"Frames: {len(frames)} distinct {FRAME_SIZE[0]}x{FRAME_SIZE[1]} JPEGs (quality {JPEG_QUALITY}; {sizes}), "
         f"cycled; {results['frames']} timed frames per transport; the same answers on both transports: "
         f"{'yes' if results['same_answers'] else 'NO'}.",
         "",
@@ -262,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     threads = set_torch_threads(args.torch_threads)
     info = machine()
-    frames = make_frames(args.distinct)
+    frames = FrameMaker("stream").make(args.distinct)
     with tiny_server(tiny_checkpoint(), kv_cache_entries=0) as (url, _):
         results = run_frames(url, walk_request(args.blocked), frames, args.frames, args.warmup)
     results["frames"] = args.frames

@@ -27,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_gpu import FULL_TEXT_CONFIG, Specs, build_model  # noqa: E402
+from bench.bench_gpu import FULL_TEXT_CONFIG, build_model  # noqa: E402
+from bench.workload import Specs, frames  # noqa: E402
 
 
 def largest_difference(a, b) -> float:
@@ -183,18 +184,12 @@ def check_vision(model, device) -> None:
     import io
 
     import torch
-    from PIL import Image, ImageDraw
+    from PIL import Image
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     from app.engine.hf.graphs.vision import VisionGraphs
 
-    pictures = []
-    for n in range(3):
-        image = Image.new("RGB", (512, 384), (150, 150, 150))
-        ImageDraw.Draw(image).rectangle((40 * n, 120, 40 * n + 110, 300), fill=(40, 40 + 60 * n, 40))
-        buffer = io.BytesIO()
-        image.save(buffer, "JPEG", quality=70)
-        pictures.append(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB"))
+    pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in frames(3)]
     processed = Gemma4ImageProcessorPil()(pictures, return_tensors="pt")
     pixels = processed["pixel_values"].to(device, model.dtype)
     positions = processed["image_position_ids"].to(device)

@@ -18,8 +18,7 @@ import statistics
 import time
 from typing import Any, Callable, Sequence
 
-CANVAS = 32
-SLOTS = (3, 9, 15)
+from bench.workload import CANVAS_WIDTH, SLOTS, id_range
 
 
 def _median_ms(call: Callable[[], Any], warmup: int, reps: int) -> float:
@@ -61,14 +60,14 @@ def measure_naive(model: Any, batches: Sequence[int] = (1, 8, 32), prompt_tokens
     from transformers import DynamicCache, StaticCache
 
     text_config = model.config.text_config
-    vocab = int(text_config.vocab_size)
+    low, high = id_range(int(text_config.vocab_size))
     generator = torch.Generator(device="cuda").manual_seed(1)
     slots = torch.tensor(SLOTS, device="cuda")
     out: dict[str, dict[int, float]] = {"full_read_eager": {}, "full_read_static_graph": {},
                                         "decoder_pass_eager": {}, "decoder_pass_graph": {}}
     for batch in batches:
-        ids = torch.randint(100, min(vocab, 250_000), (batch, prompt_tokens), device="cuda", generator=generator)
-        canvas = torch.randint(100, min(vocab, 250_000), (batch, CANVAS), device="cuda", generator=generator)
+        ids = torch.randint(low, high, (batch, prompt_tokens), device="cuda", generator=generator)
+        canvas = torch.randint(low, high, (batch, CANVAS_WIDTH), device="cuda", generator=generator)
         with torch.no_grad():
             def full() -> Any:
                 return model(input_ids=ids, decoder_input_ids=canvas, logits_to_keep=slots,

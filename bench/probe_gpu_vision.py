@@ -29,8 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_gpu import FULL_TEXT_CONFIG, build_model  # noqa: E402
-from bench.bench_gpu_decisions import choose_vision_attention, frames  # noqa: E402
+from bench.bench_gpu_decisions import choose_vision_attention  # noqa: E402
 from bench.common import header, machine, markdown_table, write_json  # noqa: E402
+from bench.workload import frames  # noqa: E402
 
 FRAME_COUNTS = (1, 4, 8)
 # The kernel each row's vision attention tries first (bench_gpu_decisions' --vision-attention names):

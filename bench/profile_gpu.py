@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_gpu import Specs, build_config, build_model  # noqa: E402
+from bench.bench_gpu import build_config, build_model  # noqa: E402
+from bench.workload import Specs  # noqa: E402
 
 
 def main() -> None:

@@ -11,14 +11,13 @@ start time (time.monotonic is system-wide on Linux), runs its share of the clien
 tally: latencies, errors by status and counts, never anything that needs the server to interpret.
 Every client call has a timeout, so a dead server ends a row with errors, never a hang.
 
-Only the standard library is imported at module level (and the two bench modules that hold the
-ticket and the walk page's request); httpx, websockets, Pillow and the app are imported where used.
+Only the standard library is imported at module level (and bench/workload.py, which holds the
+requests and the frames); httpx, websockets, Pillow and the app are imported where used.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import math
 import random
@@ -28,14 +27,11 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from bench.bench_gpu_decisions import TICKET_QUESTIONS, WORDS
-from bench.bench_stream import WALK_REQUEST
+from bench.workload import WALK_REQUEST, WORDS, FrameMaker, noul_questions, ticket_request, words
 
 CLIENT_TIMEOUT_S = 60.0  # every HTTP call and websocket receive
 GRACE_S = 5.0  # after a row's end: how long in-flight requests may still finish before they are cancelled
 FPS_BUDGET = 30  # frames encoded ahead per closed-loop camera client and second (more are encoded late, counted)
-FRAME_SIZE = (512, 384)  # the walk page's frames: 512 px wide, 4:3
-JPEG_QUALITY = 70  # the walk page encodes at 0.7
 CAMERA_FPS = 2.0
 # A camera refused at open asks again as the walk page does (app/static/js/walk.js busyWait), while a
 # session of at least MIN_SESSION_S is still left in the row.
@@ -45,15 +41,6 @@ now = time.monotonic
 
 
 # ---------------------------------------------------------------------------------------- requests
-
-def words(rng: random.Random, count: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(count))
-
-
-def ticket_request(rng: random.Random, uid: str) -> dict[str, Any]:
-    """The README's ticket (noul, 3-way choice, 3-level score), samples 1, a state of its own."""
-    return {"state": {"ticket": f"{words(rng, 20)} #{uid}"}, "questions": TICKET_QUESTIONS, "samples": 1}
-
 
 def sheet_request(rng: random.Random, uid: str) -> dict[str, Any]:
     """A question sheet of its own: 1-6 questions, random instructions, 2-8 options (or levels) each."""
@@ -87,8 +74,7 @@ def heavy_request(kind: str, rng: random.Random, uid: str, state_tokens: int, th
             f"q{n}": {"type": "choice", "instructions": f"Which item does the ticket name? ({uid}.{n})",
                       "criteria": {f"item {n}-{k}": None for k in range(255)}} for n in range(8)}}
     if kind == "200 questions":
-        return {**ticket, "questions": {
-            f"q{n}": {"type": "noul", "instructions": f"Does the ticket mention item {n}? ({uid})"} for n in range(200)}}
+        return {**ticket, "questions": noul_questions(200, uid)}
     if kind == "think":
         return {**ticket, "think": think}
     return {**ticket, "steps": 8, "samples": 32}
@@ -97,36 +83,6 @@ def heavy_request(kind: str, rng: random.Random, uid: str, state_tokens: int, th
 REQUESTS: dict[str, Callable[[random.Random, str], dict[str, Any]]] = {
     "sheets": sheet_request, "ticket": ticket_request, "walk": lambda rng, uid: WALK_REQUEST,
 }
-
-
-class FrameMaker:
-    """Walk-page-like 512x384 JPEG frames, each one unique: a camera-noise background (made once), a
-    floor, an obstacle whose place and colour move with the frame number, and the frame's stamp."""
-
-    def __init__(self, tag: str) -> None:
-        from PIL import Image
-
-        self.tag = tag
-        self.made = 0
-        noise = Image.effect_noise(FRAME_SIZE, 24).convert("RGB")
-        self.base = Image.blend(Image.new("RGB", FRAME_SIZE, (165, 165, 160)), noise, 0.15)
-
-    def make(self, count: int) -> list[bytes]:
-        from PIL import ImageDraw
-
-        out = []
-        for index in range(self.made, self.made + count):
-            image = self.base.copy()
-            draw = ImageDraw.Draw(image)
-            draw.rectangle((0, 192, 512, 384), fill=(115, 108, 100))
-            x = (index * 53) % 400
-            draw.rectangle((x, 110, x + 110, 330), fill=(40 + index % 50, 40 + index // 50 % 150, 60))
-            draw.text((8, 8), f"{self.tag} #{index}", fill=(255, 255, 255))
-            buffer = io.BytesIO()
-            image.save(buffer, "JPEG", quality=JPEG_QUALITY)
-            out.append(buffer.getvalue())
-        self.made += count
-        return out
 
 
 class Frames:
@@ -169,6 +125,11 @@ class Tally:
     def as_dict(self) -> dict[str, Any]:
         return {"latencies": self.latencies, "ages": self.ages, "guards": self.guards, "errors": self.errors,
                 "counts": self.counts, "elapsed": self.elapsed}
+
+
+def shares(total: int, parts: int) -> list[int]:
+    """`total` clients split over `parts` processes, as evenly as they go (the first take the rest)."""
+    return [total // parts + (1 if index < total % parts else 0) for index in range(parts)]
 
 
 def merge(tallies: list[dict[str, Any]]) -> dict[str, Any]:

@@ -234,7 +234,7 @@ def test_walk_renders_blocked_clear_and_failed_frames(page_server, page_factory)
     # Unchecking think re-sent the config without it, on the same socket.
     assert len(stream.configs) == 2 and "think" not in stream.configs[1] and "instructions" not in stream.configs[1]
     # bench/bench_stream.py measures exactly the request the page sends (think off).
-    from bench.bench_stream import WALK_REQUEST
+    from bench.workload import WALK_REQUEST
 
     assert stream.configs[1] == WALK_REQUEST
 
