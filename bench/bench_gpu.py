@@ -35,7 +35,17 @@ from typing import Any, Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import CollectorPauses, fmt, header, latency_summary, machine, markdown_table, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    CollectorPauses,
+    device_sync,
+    fmt,
+    header,
+    latency_summary,
+    machine,
+    markdown_table,
+    time_calls,
+    write_json,
+)
 from bench.naive import measure_naive, ratio  # noqa: E402
 from bench.workload import CANVAS_WIDTH, SLOTS, Specs  # noqa: E402
 
@@ -110,15 +120,9 @@ def timed(call: Callable[[], Any], warmup: int, reps: int, runner: Any, sync: Ca
     from app.engine.hf.reader import settle_heap
 
     settle_heap()  # as the server does once loaded and warmed up
-    seconds: list[float] = []
     before = dict(runner.stats)
     with CollectorPauses() as pauses:
-        for _ in range(reps):
-            sync()
-            started = time.perf_counter()
-            call()
-            sync()
-            seconds.append(time.perf_counter() - started)
+        seconds = time_calls(call, reps, sync)
     delta = {key: value - before.get(key, 0) for key, value in runner.stats.items()}
     return {**latency_summary(seconds), **pauses.summary(), "warmup_s": round(warmup_s, 1),
             "encoder_passes_per_call": delta.get("encoder_passes", 0) / reps,
@@ -136,7 +140,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     on_cuda = device.type == "cuda"
     dtype = torch.bfloat16 if on_cuda else torch.float32
     experts = args.experts if args.experts != "default" else None
-    sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if on_cuda else (lambda: None)
+    sync = device_sync(device)
 
     started = time.perf_counter()
     model = build_model(build_config(args.tiny), args.device, dtype, experts)

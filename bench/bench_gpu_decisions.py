@@ -39,11 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_gpu import FULL_TEXT_CONFIG, build_model  # noqa: E402
 from bench.common import (  # noqa: E402
     CollectorPauses,
+    device_sync,
     fmt,
     header,
     latency_summary,
     machine,
     markdown_table,
+    timed_call,
     write_json,
 )
 from bench.naive import measure_naive, ratio  # noqa: E402
@@ -201,15 +203,12 @@ def breakdown(runner: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str
     from app.engine.base import GenerateSpec, ImageInput, Prompt
     from app.engine.hf.prompts import EncodedPrompt
 
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync = device_sync(args.device)
     stages: dict[str, list[float]] = {}
 
     def timed(name: str, call: Any) -> Any:
-        sync()
-        started = time.perf_counter()
-        out = call()
-        sync()
-        stages.setdefault(name, []).append((time.perf_counter() - started) * 1000)
+        out, seconds = timed_call(call, sync)
+        stages.setdefault(name, []).append(seconds * 1000)
         return out
 
     ids = tuple(tokenizer.render_chat("Answer.", "What is ahead?", 1, False))

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import event_median_ms  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2816, 704
 SWEEP = [  # block_m, block_n, block_k, warps, stages
@@ -59,20 +60,6 @@ def graphed(call: Callable[[], Any]) -> Callable[[], Any]:
 
     graph, output = captured(call)
     return lambda: (graph.replay(), output)[1]
-
-
-def median_ms(replay: Callable[[], Any], reps: int) -> float:
-    import torch
-
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -114,7 +101,7 @@ def main() -> None:
 
         def measure(name: str, call: Callable[[], Any]) -> dict[str, Any]:
             replay = graphed(call)
-            ms = median_ms(replay, args.reps)
+            ms = event_median_ms(replay, args.reps)
             out = replay()
             row = {"tokens": tokens, "path": name, "ms": round(ms, 4), "experts_chosen": chosen,
                    "GB_per_s": round(moved / ms / 1e6, 1), "TFLOP_per_s": round(flops / ms / 1e9, 1),

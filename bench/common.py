@@ -1,5 +1,5 @@
-"""What every benchmark script shares: percentiles, the machine it ran on, a markdown table, the JSON
-results file, the tiny checkpoint, and a live server on 127.0.0.1.
+"""What every benchmark script shares: percentiles, timing on a device, the machine it ran on, a
+markdown table, the JSON results file, the tiny checkpoint, and a live server on 127.0.0.1.
 
 Only the standard library is imported at module level, so `bench_gpu.py` can use this module on a
 GPU box that has torch and transformers but no Starlette or uvicorn; the server helpers import them
@@ -20,16 +20,18 @@ import os
 import platform
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "djev-bench"
+T = TypeVar("T")
 
 
 def vllm_cpu_env() -> dict[str, str]:
@@ -101,6 +103,62 @@ class CollectorPauses:
 def fmt(value: float, digits: int = 1) -> str:
     """A table cell: fixed digits, or a dash for a missing (NaN) value."""
     return "-" if value != value else f"{value:.{digits}f}"
+
+
+# ---------------------------------------------------------------------------------------- timing
+
+def no_sync() -> None:
+    """Nothing to wait for: the CPU's work is done when a call returns."""
+
+
+def device_sync(device: Any) -> Callable[[], None]:
+    """A call that waits until `device` (a torch device or its name) has run the work queued on it:
+    `torch.cuda.synchronize` on CUDA, nothing on the CPU."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return no_sync
+
+
+def timed_call(call: Callable[[], T], sync: Callable[[], None] = no_sync) -> tuple[T, float]:
+    """`call`'s result and its wall-clock seconds, the device synchronised before and after (so the
+    seconds hold its device work, and none queued before it)."""
+    sync()
+    started = time.perf_counter()
+    out = call()
+    sync()
+    return out, time.perf_counter() - started
+
+
+def time_calls(call: Callable[[], Any], reps: int, sync: Callable[[], None] = no_sync, warmup: int = 0) -> list[float]:
+    """The seconds of each of `reps` calls (`timed_call`), after `warmup` untimed ones."""
+    for _ in range(warmup):
+        call()
+    return [timed_call(call, sync)[1] for _ in range(reps)]
+
+
+def median_ms(call: Callable[[], Any], reps: int, sync: Callable[[], None] = no_sync, warmup: int = 0) -> float:
+    """The median of `time_calls`, in milliseconds."""
+    return statistics.median(time_calls(call, reps, sync, warmup)) * 1000
+
+
+def event_median_ms(call: Callable[[], Any], reps: int) -> float:
+    """The median device time of `reps` calls on CUDA, in milliseconds, from CUDA events recorded
+    around each: the GPU's time alone, without the host's launch and synchronisation (for a CUDA
+    graph's replay, whose host side is a few microseconds)."""
+    import torch
+
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 # ---------------------------------------------------------------------------------------- reporting

@@ -14,26 +14,16 @@ Medians of `reps` after `warmup`, CUDA synchronized around each call.
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any, Callable, Sequence
 
+from bench.common import median_ms
 from bench.workload import CANVAS_WIDTH, SLOTS, id_range
 
 
 def _median_ms(call: Callable[[], Any], warmup: int, reps: int) -> float:
     import torch
 
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - started) * 1000)
-    return round(statistics.median(times), 2)
+    return round(median_ms(call, reps, torch.cuda.synchronize, warmup), 2)
 
 
 def captured(call: Callable[[], Any]) -> tuple[Any, Any]:

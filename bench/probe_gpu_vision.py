@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_gpu import FULL_TEXT_CONFIG, build_model  # noqa: E402
 from bench.bench_gpu_decisions import choose_vision_attention  # noqa: E402
-from bench.common import header, machine, markdown_table, write_json  # noqa: E402
+from bench.common import device_sync, header, machine, markdown_table, median_ms, write_json  # noqa: E402
 from bench.workload import frames  # noqa: E402
 
 FRAME_COUNTS = (1, 4, 8)
@@ -74,24 +73,6 @@ def frame_inputs(model: Any, processor: Any, device: str, count: int) -> tuple[t
             processed["image_position_ids"].to(device))
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(call: Callable[[], object], device: torch.device, repeats: int) -> float:
-    for _ in range(2):
-        call()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        started = time.perf_counter()
-        call()
-        sync(device)
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
-
-
 def attention_seen(call: Callable[[], object], device: torch.device) -> dict[str, float]:
     """The attention operators and kernels one call ran, by name, with their time (ms; the device's
     on CUDA, 0 for the CPU's operators)."""
@@ -100,7 +81,7 @@ def attention_seen(call: Callable[[], object], device: torch.device) -> dict[str
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         call()
-        sync(device)
+        device_sync(device)()
     seen: dict[str, float] = {}
     for event in prof.key_averages():
         if any(word in event.key.lower() for word in ATTENTION_WORDS):
@@ -122,7 +103,7 @@ def probe(model: Any, inputs: tuple[torch.Tensor, torch.Tensor], device: torch.d
         row["prepare_s"] = round(time.perf_counter() - started, 2)
         for count in FRAME_COUNTS:
             row[f"ms_{count}"] = round(median_ms(lambda count=count: graphs.features(pixels[:count], positions[:count]),
-                                                 device, repeats), 3)
+                                                 repeats, device_sync(device), warmup=2), 3)
         row["attention_seen"] = attention_seen(lambda: graphs.features(pixels, positions), device)
     return row  # (its graphs go with `graphs`; the caller empties the allocator's cache)
 

@@ -12,12 +12,12 @@ the table names what the graph replays (graph replays show as their kernels unde
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_gpu import build_config, build_model  # noqa: E402
+from bench.common import timed_call  # noqa: E402
 from bench.workload import Specs  # noqa: E402
 
 
@@ -57,12 +57,9 @@ def main() -> None:
     for name, call in cases.items():
         for _ in range(2):  # capture every bucket first
             call()
-        torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            started = time.perf_counter()
-            call()
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - started) * 1000
+            _, seconds = timed_call(call, torch.cuda.synchronize)
+        wall = seconds * 1000
         events = prof.key_averages()
         cuda_total = sum(e.self_device_time_total for e in events) / 1000
         print(f"\n### {name}: wall {wall:.1f} ms, CUDA kernels {cuda_total:.1f} ms", flush=True)
@@ -72,20 +69,10 @@ def main() -> None:
     # and slot reads alone (the same prompts, now cached), then both in one read.
     for _ in range(2):
         batch = [specs.read() for _ in range(32)]
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        runner.encode_many([spec.prompt for spec in batch])
-        torch.cuda.synchronize()
-        encode = (time.perf_counter() - started) * 1000
-        started = time.perf_counter()
-        runner.read(batch)
-        torch.cuda.synchronize()
-        decode = (time.perf_counter() - started) * 1000
+        encode = timed_call(lambda: runner.encode_many([spec.prompt for spec in batch]), torch.cuda.synchronize)[1] * 1000
+        decode = timed_call(lambda: runner.read(batch), torch.cuda.synchronize)[1] * 1000
         fresh = [specs.read() for _ in range(32)]
-        started = time.perf_counter()
-        runner.read(fresh)
-        torch.cuda.synchronize()
-        whole = (time.perf_counter() - started) * 1000
+        whole = timed_call(lambda: runner.read(fresh), torch.cuda.synchronize)[1] * 1000
     print(f"\n### 32 new states in stages (wall, no profiler): encoder pass + KV copy-out {encode:.1f} ms, "
           f"decoder pass + slot reads (prompts cached) {decode:.1f} ms, whole read {whole:.1f} ms", flush=True)
 

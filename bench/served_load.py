@@ -613,10 +613,10 @@ class StageTimer:
     over its whole life: a turn's, or a heavy read's, time."""
 
     def __init__(self, runner: Any) -> None:
-        import torch
+        from bench.common import device_sync
 
         self.runner = runner
-        self.sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+        self.sync = device_sync(runner.device)
         self.ms: dict[str, float] = {name: 0.0 for name in STAGES}
         self.calls: dict[str, int] = {name: 0 for name in STAGES}
         self.rows: dict[str, int] = {name: 0 for name in STAGES}
