@@ -46,61 +46,12 @@ from bench.common import (  # noqa: E402
     time_calls,
     write_json,
 )
+from bench.models import build_model, model_config  # noqa: E402
 from bench.naive import measure_naive, ratio  # noqa: E402
 from bench.workload import CANVAS_WIDTH, SLOTS, Specs  # noqa: E402
 
-# The published config of google/diffusiongemma-26B-A4B-it. The rest -- RoPE per layer type, softcap 30,
-# tied embeddings, the 5:1 sliding:full pattern with the last layer full -- are the config class's
-# defaults. Built this way it has 25.42 B parameters.
-FULL_TEXT_CONFIG: dict[str, Any] = dict(
-    vocab_size=262_144,
-    hidden_size=2816,
-    intermediate_size=2112,  # the dense MLP beside the experts
-    num_hidden_layers=30,
-    num_attention_heads=16,
-    num_key_value_heads=8,  # sliding layers: 8 KV heads x 256
-    head_dim=256,
-    global_head_dim=512,  # full layers: 2 KV heads x 512, K = V
-    num_global_key_value_heads=2,
-    attention_k_eq_v=True,
-    sliding_window=1024,
-    num_experts=128,
-    top_k_experts=8,
-    moe_intermediate_size=704,
-    enable_moe_block=True,
-    max_position_embeddings=262_144,
-    use_bidirectional_attention="vision",
-)
 BATCHES = (1, 8, 32)
 SAMPLES = 4
-
-
-def build_config(tiny: bool) -> Any:
-    from transformers import DiffusionGemmaConfig
-
-    if tiny:
-        from app.engine.tiny import build_config as tiny_config
-        from app.engine.tiny import build_tokenizer
-
-        return tiny_config(build_tokenizer())
-    return DiffusionGemmaConfig(text_config=dict(FULL_TEXT_CONFIG), vision_config={"model_type": "gemma4_vision"},
-                                canvas_length=256)
-
-
-def build_model(config: Any, device: str, dtype: Any, experts: str | None) -> Any:
-    """Random weights, allocated directly on the device."""
-    import torch
-    from transformers import DiffusionGemmaForBlockDiffusion
-
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
-    if experts:
-        kwargs["experts_implementation"] = experts
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = DiffusionGemmaForBlockDiffusion._from_config(config, **kwargs)
-    if experts and getattr(model.config, "_experts_implementation", experts) != experts:
-        model.set_experts_implementation(experts)
-    return model.eval()
 
 
 def read_all(runner: Any, specs: list[Any]) -> None:
@@ -143,7 +94,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     sync = device_sync(device)
 
     started = time.perf_counter()
-    model = build_model(build_config(args.tiny), args.device, dtype, experts)
+    model = build_model(model_config(args.tiny), args.device, dtype, experts)
     sync()
     build_s = time.perf_counter() - started
     parameters = sum(p.numel() for p in model.parameters())

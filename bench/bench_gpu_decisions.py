@@ -36,7 +36,6 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_gpu import FULL_TEXT_CONFIG, build_model  # noqa: E402
 from bench.common import (  # noqa: E402
     CollectorPauses,
     device_sync,
@@ -48,6 +47,7 @@ from bench.common import (  # noqa: E402
     timed_call,
     write_json,
 )
+from bench.models import VISION_KERNELS, choose_vision_attention, random_model, served_name  # noqa: E402
 from bench.naive import measure_naive, ratio  # noqa: E402
 from bench.workload import frames, noul_questions, state_of, ticket, ticket_request  # noqa: E402
 
@@ -65,57 +65,27 @@ SIDE = {"type": "choice", "instructions": "There is an obstacle ahead. Where is 
 WALK_STATE = {"note": "one frame from a phone's back camera, pointed the way the person is walking"}
 
 
-# --vision-attention: which kernel the vision tower's attention tries first (an A/B of
-# app.engine.hf.layers.VISION_ATTENTION, which the served engine takes as it is).
-VISION_KERNELS = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION"}
-
-
-def choose_vision_attention(name: str) -> None:
-    from torch.nn.attention import SDPBackend
-
-    from app.engine.hf import layers
-
-    first = getattr(SDPBackend, VISION_KERNELS[name])
-    layers.VISION_ATTENTION = (first, *(kernel for kernel in layers.VISION_ATTENTION if kernel != first))
-
-
 def build_reader(args: argparse.Namespace) -> Any:
+    """The reader over random weights, built here (not by `hf_reader`) so that the naive baseline
+    runs on the model before the experts are fused or the layers compiled; the runner's graphs as
+    --eager says. Returns (reader, settings, model)."""
     import torch
-    from transformers import DiffusionGemmaConfig
-    from transformers.models.gemma4.image_processing_pil_gemma4 import (
-        Gemma4ImageProcessorPil,
-    )
 
     from app.build import hf_options, prompt_limit
     from app.config import Settings
     from app.engine.base import ReaderInfo
     from app.engine.hf.reader import HFReader
     from app.engine.hf.runner import DiffusionRunner
-    from app.engine.tiny import build_config as tiny_config
-    from app.engine.tiny import build_tokenizer
     from app.engine.tokenizer import HFChatTokenizer
 
-    hf_tokenizer = build_tokenizer()
-    ids = hf_tokenizer.convert_tokens_to_ids
-    if args.tiny:
-        config = tiny_config(hf_tokenizer)
-        image_processor = Gemma4ImageProcessorPil(patch_size=config.vision_config.patch_size,
-                                                  pooling_kernel_size=3, max_soft_tokens=70)
-    else:
-        config = DiffusionGemmaConfig(
-            text_config=dict(FULL_TEXT_CONFIG), vision_config={"model_type": "gemma4_vision"}, canvas_length=256,
-            boi_token_id=ids("<|image>"), eoi_token_id=ids("<image|>"), image_token_id=ids("<|image|>"))
-        image_processor = Gemma4ImageProcessorPil()  # Gemma 4's defaults: 16 px patches, 280 soft tokens
-    device = torch.device(args.device)
-    on_cuda = device.type == "cuda"
     choose_vision_attention(args.vision_attention)
-    experts = "grouped_mm" if on_cuda else None
-    model = build_model(config, args.device, torch.bfloat16 if on_cuda else torch.float32, experts)
+    model, hf_tokenizer, processor = random_model(args.tiny, args.device)
     settings = Settings.of(device=args.device, torch_compile=args.compile, fused_moe=args.fused_moe)
-    options = hf_options(settings, "random-26B-A4B" if not args.tiny else "tiny", tiny=args.tiny)
-    runner = DiffusionRunner(model, image_processor, device=device, max_prompt_tokens=prompt_limit(settings),
+    options = hf_options(settings, served_name(args.tiny), tiny=args.tiny)
+    runner = DiffusionRunner(model, processor, device=torch.device(args.device), max_prompt_tokens=prompt_limit(settings),
                              kv_entries=settings.hf.kv_cache_entries, max_rows=settings.hf.max_batch_rows,
                              cuda_graphs=not args.eager)
+    config = model.config
     tokenizer = HFChatTokenizer(hf_tokenizer, vocab_size=int(config.text_config.vocab_size),
                                 image_token_id=int(config.image_token_id))
     info = ReaderInfo(model=options.served_name, engine="hf", device=args.device, tiny=args.tiny,

@@ -5,7 +5,7 @@ For each size (default 8,700 / 35,000 / 110,000 prompt tokens, the reference's 8
 110,707): a state of about that many tokens, a one-question decision on it (a noul, samples 1), read
 cold (the state never seen: its prompt encoded in chunks of PREFILL_CHUNK tokens) and then warm (the
 same decision again: the prompt's KV from the LRU). In process the reader is built as the server
-builds it (bench/bench_gpu_served.py's `load_random`: random weights through `hf_reader`, the graphs
+builds it (bench/models.py's `load_random`: random weights through `hf_reader`, the graphs
 captured before ready) with MAX_PROMPT_TOKENS raised to hold the largest size; each size's peak GPU
 memory above the resting memory is recorded. Through the server (`--served`, the served bench's
 server subprocess with the same settings): the same cold and warm reads over HTTP, and a steady
@@ -33,8 +33,9 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_gpu_served import load_random, spawn_server, wait_ready  # noqa: E402
+from bench.bench_gpu_served import spawn_server, wait_ready  # noqa: E402
 from bench.common import header, latency_summary, machine, markdown_table, percentile, write_json  # noqa: E402
+from bench.models import load_random  # noqa: E402
 from bench.workload import state_of, ticket_request  # noqa: E402
 
 QUESTION = {"q": {"type": "noul", "instructions": "Does the document ask for a refund?"}}
@@ -52,7 +53,7 @@ async def in_process(args: argparse.Namespace, settings: Any, states: list[str],
     from app.web.services import Services
 
     started = time.perf_counter()
-    reader = load_random(args, settings, lambda phase, done, total: None)
+    reader = load_random(args.tiny, args.device, settings)
     load_s = round(time.perf_counter() - started, 1)
     services = Services.build(settings, reader)
     await reader.start()

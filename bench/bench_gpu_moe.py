@@ -23,6 +23,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import event_median_ms  # noqa: E402
+from bench.models import Experts  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2816, 704
 SWEEP = [  # block_m, block_n, block_k, warps, stages
@@ -35,23 +36,6 @@ DOWN_SWEEP = [  # the down kernel's own tiles under the LARGE block_m (its K is 
     (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (128, 64, 128, 4, 3), (128, 128, 32, 4, 5),
     (128, 256, 32, 8, 4), (128, 128, 64, 4, 4),
 ]
-
-
-class Experts:
-    """What transformers' grouped_mm experts forward reads from a module."""
-
-    def __init__(self, gate_up: Any, down: Any) -> None:
-        import torch.nn.functional as F
-
-        self.gate_up_proj, self.down_proj = gate_up, down
-        self.num_experts = gate_up.shape[0]
-        self.act_fn = lambda t: F.gelu(t, approximate="tanh")
-        self.has_gate, self.has_bias, self.is_transposed = True, False, False
-        self.has_post_expert_norm, self._is_expert_parallel = False, False
-
-    def _apply_gate(self, gate_up_out: Any) -> Any:
-        gate, up = gate_up_out.chunk(2, dim=-1)
-        return self.act_fn(gate) * up
 
 
 def graphed(call: Callable[[], Any]) -> Callable[[], Any]:

@@ -2,7 +2,7 @@
 after ready, with the in-process figure of the same request generator beside each row, in one run.
 
 The server is `app.cli.serve` in a subprocess (its own process group), over random weights: the
-full-size DiffusionGemma 26B-A4B architecture on CUDA (bench/bench_gpu.py's FULL_TEXT_CONFIG and
+full-size DiffusionGemma 26B-A4B architecture on CUDA (bench/models.py's FULL_TEXT_CONFIG and
 build_model), or the tiny config on the CPU with --tiny. Only the weights are random: the reader is
 `hf_reader` over the model, as `djev serve` builds it, and the settings are `Settings.from_env` with
 this script's flags as overrides, as `djev serve` reads them (the server's defaults where a flag is
@@ -103,45 +103,17 @@ def server_settings(args: argparse.Namespace, port: int = 0) -> Any:
                              fused_moe=args.fused_moe, cuda_graphs=args.cuda_graphs)
 
 
-def load_random(args: argparse.Namespace, settings: Any, progress: Any) -> Any:
-    """The `load` given to `cli.serve`: random weights on the device, the reader `hf_reader` makes."""
-    import torch
-    from transformers import DiffusionGemmaConfig
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-
-    from app.build import hf_options
-    from app.engine.hf.loader import hf_reader
-    from app.engine.tiny import build_config as tiny_config
-    from app.engine.tiny import build_tokenizer
-    from bench.bench_gpu import FULL_TEXT_CONFIG, build_model
-
-    hf_tokenizer = build_tokenizer()
-    ids = hf_tokenizer.convert_tokens_to_ids
-    if args.tiny:
-        config = tiny_config(hf_tokenizer)
-        processor = Gemma4ImageProcessorPil(patch_size=config.vision_config.patch_size, pooling_kernel_size=3,
-                                            max_soft_tokens=70)
-    else:
-        config = DiffusionGemmaConfig(
-            text_config=dict(FULL_TEXT_CONFIG), vision_config={"model_type": "gemma4_vision"}, canvas_length=256,
-            boi_token_id=ids("<|image>"), eoi_token_id=ids("<image|>"), image_token_id=ids("<|image|>"))
-        processor = Gemma4ImageProcessorPil()
-    on_cuda = args.device.startswith("cuda")
-    model = build_model(config, args.device, torch.bfloat16 if on_cuda else torch.float32,
-                        "grouped_mm" if on_cuda else None)
-    options = hf_options(settings, "tiny" if args.tiny else "random-26B-A4B", tiny=args.tiny)
-    return hf_reader(model, hf_tokenizer, processor, options, progress=progress)
-
-
 def server_child(args: argparse.Namespace) -> int:
     from app.cli import serve
     from app.logs import configure_logging
+    from bench.models import load_random
     from bench.served_load import bench_routes
 
     settings = server_settings(args, args.port)
     configure_logging(settings)
     watch_parent()
-    return serve(settings, load=lambda progress: load_random(args, settings, progress), extra_routes=bench_routes())
+    return serve(settings, load=lambda progress: load_random(args.tiny, args.device, settings, progress),
+                 extra_routes=bench_routes())
 
 
 @dataclass

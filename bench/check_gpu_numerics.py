@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_gpu import FULL_TEXT_CONFIG, build_model  # noqa: E402
+from bench.models import build_model, full_config  # noqa: E402
 from bench.workload import Specs, frames  # noqa: E402
 
 
@@ -41,7 +41,6 @@ def largest_difference(a, b) -> float:
 
 def main() -> None:
     import torch
-    from transformers import DiffusionGemmaConfig
 
     from app.engine.hf.graphs.decoder import DecoderGraphs
     from app.engine.hf.graphs.encoder import EncoderGraphs
@@ -53,9 +52,7 @@ def main() -> None:
     sizes = [arg for arg in sys.argv[1:] if arg not in ("--fused-moe", "--split")]
     for layers, dtype in [(int(n), getattr(torch, t)) for n, t in (c.split(":") for c in sizes)] or \
             ((6, torch.float32), (6, torch.bfloat16), (30, torch.bfloat16)):
-        config = DiffusionGemmaConfig(text_config=dict(FULL_TEXT_CONFIG, num_hidden_layers=layers),
-                                      vision_config={"model_type": "gemma4_vision"}, canvas_length=256)
-        model = build_model(config, "cuda", dtype, "grouped_mm")
+        model = build_model(full_config(num_hidden_layers=layers), "cuda", dtype, "grouped_mm")
         specs = Specs(262144, 300)
         reads = [specs.read(), specs.read(canvases=4)] + [Specs(262144, n, seed=n).read() for n in (40, 700, 1500)]
 

@@ -27,9 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_gpu import FULL_TEXT_CONFIG, build_model  # noqa: E402
-from bench.bench_gpu_decisions import choose_vision_attention  # noqa: E402
 from bench.common import device_sync, header, machine, markdown_table, median_ms, write_json  # noqa: E402
+from bench.models import choose_vision_attention, random_model  # noqa: E402
 from bench.workload import frames  # noqa: E402
 
 FRAME_COUNTS = (1, 4, 8)
@@ -38,29 +37,6 @@ FRAME_COUNTS = (1, 4, 8)
 KERNELS_FIRST = ("cudnn", "efficient")
 # Operator and kernel names that belong to attention (the profiler's keys, lowercased).
 ATTENTION_WORDS = ("attention", "attn", "fmha", "cudnn", "flash", "sdpa", "efficient")
-
-
-def build(tiny: bool, device: str) -> tuple[Any, Any]:
-    """The model (random weights) and the image processor the server would use."""
-    from transformers import DiffusionGemmaConfig
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-
-    from app.engine.tiny import build_config, build_tokenizer
-
-    tokenizer = build_tokenizer()
-    if tiny:
-        config = build_config(tokenizer)
-        processor = Gemma4ImageProcessorPil(patch_size=config.vision_config.patch_size, pooling_kernel_size=3,
-                                            max_soft_tokens=70)
-    else:
-        ids = tokenizer.convert_tokens_to_ids
-        config = DiffusionGemmaConfig(
-            text_config=dict(FULL_TEXT_CONFIG), vision_config={"model_type": "gemma4_vision"}, canvas_length=256,
-            boi_token_id=ids("<|image>"), eoi_token_id=ids("<image|>"), image_token_id=ids("<|image|>"))
-        processor = Gemma4ImageProcessorPil()  # Gemma 4's defaults: 16 px patches, 280 soft tokens
-    on_cuda = device.startswith("cuda")
-    model = build_model(config, device, torch.bfloat16 if on_cuda else torch.float32, "grouped_mm" if on_cuda else None)
-    return model, processor
 
 
 def frame_inputs(model: Any, processor: Any, device: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +94,7 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device(args.device)
     graphed = device.type == "cuda"  # CUDA graphs need CUDA; on the CPU the same path runs eagerly
-    model, processor = build(args.tiny, args.device)
+    model, _, processor = random_model(args.tiny, args.device)  # random weights, as the server would run them
     inputs = frame_inputs(model, processor, args.device, max(FRAME_COUNTS))
     real = int((inputs[1][0] != -1).all(dim=-1).sum())
     rows = []

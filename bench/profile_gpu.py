@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_gpu import build_config, build_model  # noqa: E402
 from bench.common import timed_call  # noqa: E402
+from bench.models import build_model, model_config  # noqa: E402
 from bench.workload import Specs  # noqa: E402
 
 
@@ -29,7 +29,7 @@ def main() -> None:
     from app.engine.hf.runner import DiffusionRunner
 
     device = torch.device("cuda")
-    model = build_model(build_config(False), "cuda", torch.bfloat16, "grouped_mm")
+    model = build_model(model_config(False), "cuda", torch.bfloat16, "grouped_mm")
     if "--fused-moe" in sys.argv[1:]:
         from app.engine.hf.moe.fused import use_fused_experts
 

@@ -52,7 +52,7 @@ def test_the_vision_attention_knob_puts_one_kernel_first_and_keeps_the_rest(monk
     from torch.nn.attention import SDPBackend
 
     from app.engine.hf import layers
-    from bench.bench_gpu_decisions import choose_vision_attention
+    from bench.models import choose_vision_attention
 
     served = layers.VISION_ATTENTION
     assert served[0] == SDPBackend.CUDNN_ATTENTION and served[-1] == SDPBackend.MATH

@@ -19,7 +19,7 @@ import torch._dynamo.utils  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from app.engine.hf.moe import fused as fused_moe  # noqa: E402
-from bench.bench_gpu_moe import Experts  # noqa: E402 - grouped_mm's view of an experts module
+from bench.models import Experts  # noqa: E402 - grouped_mm's view of an experts module
 
 
 def exact(x, index, weights, gate_up, down):
