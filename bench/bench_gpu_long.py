@@ -8,8 +8,9 @@ same decision again: the prompt's KV from the LRU). In process the reader is bui
 builds it (bench/models.py's `load_random`: random weights through `hf_reader`, the graphs
 captured before ready) with MAX_PROMPT_TOKENS raised to hold the largest size; each size's peak GPU
 memory above the resting memory is recorded. Through the server (`--served`, the served bench's
-server subprocess with the same settings): the same cold and warm reads over HTTP, and a steady
-ticket client's latencies while the largest cold read runs (chunks take turns with other reads).
+server subprocess, bench/server.py, with the same settings): the same cold and warm reads over
+HTTP, and a steady ticket client's latencies while the largest cold read runs (chunks take turns
+with other reads).
 The naive figure is transformers' plain full read (`bench/naive.py`) at the sizes up to
 `--naive-max` tokens.
 
@@ -33,9 +34,9 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_gpu_served import spawn_server, wait_ready  # noqa: E402
 from bench.common import header, latency_summary, machine, markdown_table, percentile, write_json  # noqa: E402
 from bench.models import load_random  # noqa: E402
+from bench.server import RandomServe, spawn_random, wait_ready  # noqa: E402
 from bench.workload import state_of, ticket_request  # noqa: E402
 
 QUESTION = {"q": {"type": "noul", "instructions": "Does the document ask for a refund?"}}
@@ -118,7 +119,9 @@ def served(args: argparse.Namespace, states: list[str], out_dir: Path) -> dict[s
 
     os.environ["MAX_PROMPT_TOKENS"] = str(args.max_prompt_tokens)  # the server child reads it, as serve does
     os.environ["PREFILL_CHUNK"] = str(args.prefill_chunk)
-    server = spawn_server(args, out_dir)
+    on_cuda = args.device.startswith("cuda")  # the server's defaults on CUDA, as in process
+    server = spawn_random(RandomServe(args.tiny, args.device, on_cuda, on_cuda, on_cuda),
+                          out_dir / "bench_gpu_served.server.log")
     rows: list[dict[str, Any]] = []
     steady: dict[str, Any] = {}
     try:
@@ -235,9 +238,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         from app.config import Settings
 
         args.prefill_chunk = Settings.of().hf.prefill_chunk
-    on_cuda = args.device.startswith("cuda")
-    args.compile = args.fused_moe = args.cuda_graphs = on_cuda  # the server's defaults on CUDA
-    args.port = 0
     return args
 
 
@@ -256,9 +256,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     rng = random.Random(11)
     states = [state_of(tokenizer, size, rng) for size in args.sizes]
     prime = state_of(tokenizer, 2 * args.prefill_chunk + 300, rng)
+    on_cuda = args.device.startswith("cuda")  # compiled, fused experts, graphs: the server's defaults on CUDA
     settings = Settings.from_env(device=args.device, max_prompt_tokens=args.max_prompt_tokens,
-                                 prefill_chunk=args.prefill_chunk, torch_compile=args.compile,
-                                 fused_moe=args.fused_moe, cuda_graphs=args.cuda_graphs)
+                                 prefill_chunk=args.prefill_chunk, torch_compile=on_cuda,
+                                 fused_moe=on_cuda, cuda_graphs=on_cuda)
     results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}}
     sweep_states = [state_of(tokenizer, args.sweep_size, rng) for _ in args.chunk_sweep]
     if args.served:  # first: the server child's GPU memory is all back when it exits (a cold start)

@@ -1,9 +1,9 @@
 """`djev serve` as users see it: HTTP and websockets, clients in other processes, from the first second
 after ready, with the in-process figure of the same request generator beside each row, in one run.
 
-The server is `app.cli.serve` in a subprocess (its own process group), over random weights: the
-full-size DiffusionGemma 26B-A4B architecture on CUDA (bench/models.py's FULL_TEXT_CONFIG and
-build_model), or the tiny config on the CPU with --tiny. Only the weights are random: the reader is
+The server is `app.cli.serve` in a subprocess (its own process group; bench/server.py), over random
+weights: the full-size DiffusionGemma 26B-A4B architecture on CUDA (bench/models.py's
+FULL_TEXT_CONFIG and build_model), or the tiny config on the CPU with --tiny. Only the weights are random: the reader is
 `hf_reader` over the model, as `djev serve` builds it, and the settings are `Settings.from_env` with
 this script's flags as overrides, as `djev serve` reads them (the server's defaults where a flag is
 not given). The tokenizer is the tiny model's, as in bench_gpu_decisions.py. A bench-only route,
@@ -44,9 +44,7 @@ import math
 import multiprocessing
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
@@ -64,6 +62,7 @@ from bench.served_load import (  # noqa: E402
     shares,
     worker_main,
 )
+from bench.server import RandomServe, Server, spawn_random, wait_ready  # noqa: E402
 
 COUNTER_WORDS = ("capture", "compile", "fallback", "recompile", "graph", "retries")
 # The engine's work in a row (its passes, their rows, the prompts encoded over a prefix, its busy time):
@@ -81,117 +80,9 @@ class Deadline(Exception):
 
 # ---------------------------------------------------------------------------------------- the server
 
-def watch_parent() -> None:
-    """In the server: if the bench goes away without stopping it, end this process group (no orphans)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os.killpg(os.getpgid(0), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="bench-parent-watch", daemon=True).start()
-
-
-def server_settings(args: argparse.Namespace, port: int = 0) -> Any:
-    """The settings as `djev serve` reads them: the environment, then this script's flags (None: not
-    given, the server's default)."""
-    from app.config import Settings
-
-    return Settings.from_env(host="127.0.0.1", port=port or None, device=args.device, torch_compile=args.compile,
-                             fused_moe=args.fused_moe, cuda_graphs=args.cuda_graphs)
-
-
-def server_child(args: argparse.Namespace) -> int:
-    from app.cli import serve
-    from app.logs import configure_logging
-    from bench.models import load_random
-    from bench.served_load import bench_routes
-
-    settings = server_settings(args, args.port)
-    configure_logging(settings)
-    watch_parent()
-    return serve(settings, load=lambda progress: load_random(args.tiny, args.device, settings, progress),
-                 extra_routes=bench_routes())
-
-
-@dataclass
-class Server:
-    process: subprocess.Popen
-    url: str
-    log_path: Path
-    spawned: float
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def log_tail(self, lines: int = 8) -> str:
-        try:
-            return "\n".join(line[:200] for line in self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        """SIGTERM to the server's process group (compile workers included), SIGKILL after 10 s."""
-        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                self.process.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # anything the group still holds (a compile worker that outlived the server)
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def spawn_server(args: argparse.Namespace, out_dir: Path, log_name: str = "bench_gpu_served.server.log") -> Server:
-    from app.server import free_port
-
-    port = free_port()
-    argv = [sys.executable, str(Path(__file__).resolve()), "--server-child", "--port", str(port), "--device", args.device]
-    argv += ["--tiny"] if args.tiny else []
-    for name in ("compile", "fused_moe", "cuda_graphs"):
-        value = getattr(args, name)
-        if value is not None:
-            argv.append(("--" if value else "--no-") + name.replace("_", "-"))
-    log_path = out_dir / log_name
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, cwd=Path(__file__).resolve().parent.parent, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-    return Server(process, f"http://127.0.0.1:{port}", log_path, now())
-
-
-def wait_ready(server: Server, timeout: float) -> dict[str, Any]:
-    """Poll /health until 200: the seconds from spawn to the first answer (any status) and to ready."""
-    import httpx
-
-    out: dict[str, Any] = {}
-    limit = now() + timeout
-    while True:
-        if not server.alive():
-            raise RuntimeError(f"the server exited with {server.process.returncode}:\n{server.log_tail()}")
-        try:
-            response = httpx.get(server.url + "/health", timeout=2.0)
-        except httpx.HTTPError:
-            response = None
-        if response is not None:
-            if "first_answer_s" not in out:
-                out["first_answer_s"] = round(now() - server.spawned, 1)
-                out["first_status"] = response.status_code
-                out["first_body"] = response.text[:300]
-            if response.status_code == 200:
-                out["ready_s"] = round(now() - server.spawned, 1)
-                out["health"] = response.json()
-                return out
-        if now() > limit:
-            raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n{server.log_tail()}")
-        time.sleep(0.2)
+def served(args: argparse.Namespace) -> RandomServe:
+    """The server this run measures: random weights, this script's flags (None: the server's default)."""
+    return RandomServe(args.tiny, args.device, args.compile, args.fused_moe, args.cuda_graphs)
 
 
 def scrape(server: Server, words: Sequence[str] = (*COUNTER_WORDS, *WORK_STATS)) -> dict[str, float]:
@@ -753,14 +644,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", default=os.environ.get("OUT") or ".", help="where the outputs go (default $OUT)")
     parser.add_argument("--replot", metavar="JSON", help="only redraw the camera curve of a stored run's JSON "
                         "(beside it, as <name>_camera_curve.png)")
-    parser.add_argument("--server-child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device is None:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.server_child or args.replot:
+    if args.replot:
         return args
     if not args.tiny and not args.device.startswith("cuda"):
         parser.error("the full-size model needs a GPU; use --tiny to check the script on a CPU")
@@ -812,8 +701,6 @@ def write_outputs(results: dict[str, Any], out_dir: Path, info: dict[str, Any]) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.server_child:
-        return server_child(args)
     if args.replot:  # redraw the camera curve of a stored run
         import json
 
@@ -827,10 +714,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     info = machine()
     api_key = os.environ.get("API_KEY", "")
-    settings = server_settings(args)
+    settings = served(args).settings()
     results: dict[str, Any] = {
         "machine": info, "model": "tiny config" if args.tiny else "DiffusionGemma 26B-A4B architecture, random bf16",
-        "args": {key: value for key, value in vars(args).items() if key not in ("server_child", "port")},
+        "args": vars(args),
         "settings": {"torch_compile": settings.hf.torch_compile, "fused_moe": settings.hf.fused_moe,
                      "cuda_graphs": settings.hf.cuda_graphs,
                      "batch_gather_ms": settings.hf.batch_gather_ms,
@@ -849,7 +736,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool: ClientPool | None = None
     try:
         print(f"starting the server ({'tiny' if args.tiny else 'full-size'} model on {args.device}) ...", flush=True)
-        server = spawn_server(args, out_dir)
+        server = spawn_random(served(args), out_dir / "bench_gpu_served.server.log")
         pool = ClientPool(args.workers)  # the client processes start while the model builds
         results["startup"] = wait_ready(server, min(args.startup_timeout, deadline - now()))
         print(f"  ready in {results['startup']['ready_s']} s", flush=True)
@@ -860,7 +747,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.stop()
             server = None
             print("restarting the server over the compile caches the first start left in CACHE_DIR ...", flush=True)
-            server = spawn_server(args, out_dir, "bench_gpu_served.restart.log")
+            server = spawn_random(served(args), out_dir / "bench_gpu_served.restart.log")
             results["restart"] = wait_ready(server, min(args.startup_timeout, deadline + RESTART_S - now()))
             print(f"  ready again in {results['restart']['ready_s']} s", flush=True)
     except (Deadline, RuntimeError, OSError) as exc:

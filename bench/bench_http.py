@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import itertools
 import os
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -45,6 +44,7 @@ from bench.common import (  # noqa: E402
     vllm_cpu_env,
     write_json,
 )
+from bench.server import spawn, wait_ready  # noqa: E402
 from bench.workload import TICKET_QUESTIONS, ticket  # noqa: E402
 
 VLLM_ENV = vllm_cpu_env()  # vLLM's CPU build as the tests run it (scripts/vllm_cpu/cpu.env)
@@ -125,28 +125,15 @@ def started_server(engine: str, checkpoint: Path, log_dir: Path) -> Iterator[str
     if engine == "vllm":
         argv += ["--max-seqs", "32", "--max-model-len", "8192", "--kv-cache-gb", "2"]
         env.update(VLLM_ENV)
-    log_path = log_dir / f"bench-http-{engine}.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    server = spawn(argv, port, log_dir / f"bench-http-{engine}.log", env=env)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if process.poll() is not None:
-                raise SystemExit(f"{engine} server exited; see {log_path}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{engine} server not healthy after 600 s; see {log_path}")
-            time.sleep(0.5)
-        yield url
+        try:
+            wait_ready(server, 600)
+        except RuntimeError as exc:
+            raise SystemExit(f"{engine} server: {exc}\n(the whole log: {server.log_path})") from None
+        yield server.url
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, 15)
-            process.wait(timeout=60)
+        server.stop()
 
 
 def measure(name: str, url: str, args: argparse.Namespace, levels: list[int], sizes: list[int], results: dict) -> None:
