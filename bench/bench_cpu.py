@@ -63,6 +63,7 @@ from bench.common import (  # noqa: E402 - the repository root must be importabl
     tiny_server,
     write_json,
 )
+from bench.served_load import load_level  # noqa: E402
 from bench.workload import TICKET_QUESTIONS, ticket  # noqa: E402
 
 if TYPE_CHECKING:
@@ -318,56 +319,15 @@ async def interleaved(paths: Paths, condition: str, readers: dict[str, Any], rea
 
 # ---------------------------------------------------------------------------------------- (b)
 
-def load_level(url: str, clients: int, seconds: float, tag: str,
-               body: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One level of the curve, in the load-generator process: `clients` closed loops for `seconds`.
-
-    A client sends its next request as soon as the last one returns; requests still in flight at the
-    deadline finish and count. Every request has its own state, so no prompt is cached."""
-    return asyncio.run(_load_level(url, clients, seconds, tag, body or ticket_body))
-
-
-async def _load_level(url: str, clients: int, seconds: float, tag: str,
-                      body: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-    import httpx
-
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=HTTP_TIMEOUT_S) as client:
-        started = time.perf_counter()
-        deadline = started + seconds
-
-        async def closed_loop(client_no: int) -> None:
-            sent = 0
-            while time.perf_counter() < deadline:
-                request = body(f"{tag}-{client_no}-{sent}")
-                sent += 1
-                t0 = time.perf_counter()
-                try:
-                    response = await client.post("/v1/systemone", json=request)
-                    problem = None if response.status_code == 200 else f"HTTP {response.status_code}"
-                except httpx.HTTPError as exc:
-                    problem = type(exc).__name__
-                if problem is None:
-                    latencies.append(time.perf_counter() - t0)
-                else:
-                    errors[problem] = errors.get(problem, 0) + 1
-
-        await asyncio.gather(*(closed_loop(n) for n in range(clients)))
-        elapsed = time.perf_counter() - started
-    return {"latencies": latencies, "errors": errors, "elapsed_s": elapsed}
-
-
 def concurrency_curve(url: str, server_reader: Any, levels: Sequence[int], seconds: float) -> list[dict[str, Any]]:
     rows = []
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
         # Warm-up (not reported): one short burst at the widest level, so the first level does not
         # pay for first-time batch shapes and the load generator's own start.
-        pool.submit(load_level, url, max(levels), min(1.0, seconds), "warm").result()
+        pool.submit(load_level, url, max(levels), min(1.0, seconds), "warm", ticket_body).result()
         for clients in levels:
             before = dict(server_reader.stats)
-            level = pool.submit(load_level, url, clients, seconds, f"c{clients}").result()
+            level = pool.submit(load_level, url, clients, seconds, f"c{clients}", ticket_body).result()
             after = dict(server_reader.stats)
             done = len(level["latencies"])
             delta = {key: after.get(key, 0) - before.get(key, 0) for key in after}

@@ -44,6 +44,7 @@ from bench.common import (  # noqa: E402
     vllm_cpu_env,
     write_json,
 )
+from bench.served_load import load_level  # noqa: E402
 from bench.server import spawn, wait_ready  # noqa: E402
 from bench.workload import TICKET_QUESTIONS, ticket  # noqa: E402
 
@@ -74,24 +75,17 @@ async def one_decision(url: str, repeats: int) -> list[list]:
     return rows
 
 
-async def concurrency(url: str, levels: list[int], seconds: float) -> list[list]:
+def concurrency(url: str, levels: list[int], seconds: float) -> list[list]:
     rows = []
-    limits = httpx.Limits(max_connections=max(levels) + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        for clients in levels:
-            latencies: list[float] = []
-            deadline = time.perf_counter() + seconds
-
-            async def loop() -> None:
-                while time.perf_counter() < deadline:
-                    latencies.append(await post(client, url, ticket(fresh_state(), steps=1, seed=1)))
-
-            started = time.perf_counter()
-            await asyncio.gather(*(loop() for _ in range(clients)))
-            elapsed = time.perf_counter() - started
-            rate = len(latencies) / elapsed
-            rows.append([clients, fmt(rate, 2), fmt(rate * len(TICKET_QUESTIONS), 1), fmt(percentile(latencies, 50), 2),
-                         fmt(percentile(latencies, 95), 2)])
+    for clients in levels:
+        level = load_level(url, clients, seconds, f"c{clients}", lambda tag: ticket(fresh_state(), steps=1, seed=1),
+                           timeout=600)
+        if level["errors"]:
+            raise RuntimeError(f"{url}: {clients} clients: {level['errors']}")
+        latencies = level["latencies"]
+        rate = len(latencies) / level["elapsed_s"]
+        rows.append([clients, fmt(rate, 2), fmt(rate * len(TICKET_QUESTIONS), 1), fmt(percentile(latencies, 50), 2),
+                     fmt(percentile(latencies, 95), 2)])
     return rows
 
 
@@ -138,7 +132,7 @@ def started_server(engine: str, checkpoint: Path, log_dir: Path) -> Iterator[str
 
 def measure(name: str, url: str, args: argparse.Namespace, levels: list[int], sizes: list[int], results: dict) -> None:
     first = asyncio.run(one_decision(url, args.repeats))
-    curve = asyncio.run(concurrency(url, levels, args.seconds))
+    curve = concurrency(url, levels, args.seconds)
     long = asyncio.run(long_states(url, sizes))
     results["engines"][name] = {"url": url, "one_decision": first, "concurrency": curve, "long_states": long}
     print(f"\n### {name} ({url})\n")

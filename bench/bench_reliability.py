@@ -35,7 +35,6 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_cpu import load_level as bench_cpu_load  # noqa: E402
 from bench.common import (  # noqa: E402
     command_line,
     fmt,
@@ -48,6 +47,7 @@ from bench.common import (  # noqa: E402
     tiny_reader,
     write_json,
 )
+from bench.served_load import load_level  # noqa: E402
 from bench.workload import ticket  # noqa: E402
 
 HTTP_TIMEOUT_S = 300.0
@@ -77,7 +77,7 @@ def rss_mib() -> float:
 
 def closed_loop(url: str, clients: int, seconds: float, tag: str) -> dict[str, Any]:
     """`clients` closed loops of two-question decisions, each with its own state (bench_cpu's loop)."""
-    return bench_cpu_load(url, clients, seconds, tag, request)
+    return load_level(url, clients, seconds, tag, request)
 
 
 def poll_health(url: str, seconds: float, every: float = 0.02) -> list[float]:
@@ -131,7 +131,7 @@ def health_under_load(url: str, seconds: float) -> dict[str, Any]:
             "load_requests": len(level["latencies"]), "load_errors": level["errors"]}
 
 
-def load_level(url: str, seconds: float, busy: bool) -> dict[str, Any]:
+def measure_load(url: str, seconds: float, busy: bool) -> dict[str, Any]:
     with pool(2) as workers:
         workers.submit(closed_loop, url, 64, min(2.0, seconds), "warm").result()
         spinner = workers.submit(spin, seconds + 2) if busy else None
@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(json.dumps(results["health"]), flush=True)
             if "load" in wanted:
                 runs = [part == "busy" for part in args.load.split(",")]
-                results["load"] = [load_level(url, args.seconds, busy) for busy in runs]
+                results["load"] = [measure_load(url, args.seconds, busy) for busy in runs]
                 print(json.dumps(results["load"]), flush=True)
             if "think" in wanted:
                 results["think"] = think_interference(url, args.seconds)

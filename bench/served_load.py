@@ -224,6 +224,50 @@ async def timed_post(client: Any, body: dict[str, Any], frame: bytes | None, tal
     return response
 
 
+def load_level(url: str, clients: int, seconds: float, tag: str, body: Callable[[str], dict[str, Any]],
+               timeout: float = CLIENT_TIMEOUT_S) -> dict[str, Any]:
+    """One level of a concurrency curve, in the load-generator process: `clients` closed loops for
+    `seconds`, each request `body(unique tag)` posted as JSON; {latencies (s), errors by kind,
+    elapsed_s}.
+
+    A client sends its next request as soon as the last one returns, whatever the status (no
+    backoff: what a loaded server answers is what is measured); requests still in flight at the
+    deadline finish and count."""
+    return asyncio.run(_load_level(url, clients, seconds, tag, body, timeout))
+
+
+async def _load_level(url: str, clients: int, seconds: float, tag: str, body: Callable[[str], dict[str, Any]],
+                      timeout: float) -> dict[str, Any]:
+    import httpx
+
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        started = time.perf_counter()
+        deadline = started + seconds
+
+        async def closed_loop(client_no: int) -> None:
+            sent = 0
+            while time.perf_counter() < deadline:
+                request = body(f"{tag}-{client_no}-{sent}")
+                sent += 1
+                t0 = time.perf_counter()
+                try:
+                    response = await client.post("/v1/systemone", json=request)
+                    problem = None if response.status_code == 200 else f"HTTP {response.status_code}"
+                except httpx.HTTPError as exc:
+                    problem = type(exc).__name__
+                if problem is None:
+                    latencies.append(time.perf_counter() - t0)
+                else:
+                    errors[problem] = errors.get(problem, 0) + 1
+
+        await asyncio.gather(*(closed_loop(n) for n in range(clients)))
+        elapsed = time.perf_counter() - started
+    return {"latencies": latencies, "errors": errors, "elapsed_s": elapsed}
+
+
 # ---------------------------------------------------------------------------------------- camera clients
 
 class Refused(Exception):
