@@ -51,12 +51,15 @@ from app.config import Settings
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402 - the repository root must be importable first
+    at_least,
     fmt,
     header,
     latency_summary,
     live_server,
     machine,
     markdown_table,
+    numbers,
+    positive_seconds,
     set_torch_threads,
     tiny_checkpoint,
     tiny_reader,
@@ -384,10 +387,10 @@ def report(single: dict[str, Any], curve: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=10.0, help="seconds per concurrency level (default 10)")
-    parser.add_argument("--levels", default="1,8,32", help="comma-separated client counts (default 1,8,32)")
-    parser.add_argument("--reads", type=int, default=150, help="timed calls per path and condition in (a) (default 150)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed calls per path first (default 5)")
+    parser.add_argument("--seconds", type=positive_seconds, default=10.0, help="seconds per concurrency level (default 10)")
+    parser.add_argument("--levels", type=numbers(int), default="1,8,32", help="comma-separated client counts (default 1,8,32)")
+    parser.add_argument("--reads", type=at_least(1), default=150, help="timed calls per path and condition in (a) (default 150)")
+    parser.add_argument("--warmup", type=at_least(0), default=5, help="untimed calls per path first (default 5)")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads for the server (default: usable cores - 1, at least 1)")
     parser.add_argument("--server", choices=("process", "thread"), default="process",
@@ -395,9 +398,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "runs) or in threads of the bench process (the earlier harness)")
     parser.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
-    args.levels = [int(level) for level in args.levels.split(",") if level.strip()]
-    if not args.levels or min(args.levels) < 1 or args.seconds <= 0 or args.reads < 1 or args.warmup < 0:
-        parser.error("levels must be positive integers; seconds and reads positive; warmup not negative")
+    if not args.levels or min(args.levels) < 1:
+        parser.error("--levels: positive whole numbers, comma-separated")
     return args
 
 

@@ -35,17 +35,7 @@ from typing import Any, Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (  # noqa: E402
-    CollectorPauses,
-    device_sync,
-    fmt,
-    header,
-    latency_summary,
-    machine,
-    markdown_table,
-    time_calls,
-    write_json,
-)
+from bench.common import CollectorPauses, at_least, fmt, header, latency_summary, machine, markdown_table, write_json  # noqa: E402
 from bench.models import build_model, model_config  # noqa: E402
 from bench.naive import measure_naive, ratio  # noqa: E402
 from bench.workload import CANVAS_WIDTH, SLOTS, Specs  # noqa: E402
@@ -72,6 +62,8 @@ def timed(call: Callable[[], Any], warmup: int, reps: int, runner: Any, sync: Ca
 
     settle_heap()  # as the server does once loaded and warmed up
     before = dict(runner.stats)
+    from bench.common import time_calls
+
     with CollectorPauses() as pauses:
         seconds = time_calls(call, reps, sync)
     delta = {key: value - before.get(key, 0) for key, value in runner.stats.items()}
@@ -91,6 +83,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     on_cuda = device.type == "cuda"
     dtype = torch.bfloat16 if on_cuda else torch.float32
     experts = args.experts if args.experts != "default" else None
+    from bench.common import device_sync
+
     sync = device_sync(device)
 
     started = time.perf_counter()
@@ -216,9 +210,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--experts", default=None,
                         help="experts implementation: grouped_mm (default on CUDA), eager, or 'default' for "
                              "transformers' own choice (default on CPU)")
-    parser.add_argument("--prompt-tokens", type=int, default=300, help="prompt length in tokens (default 300)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls per case (default 3)")
-    parser.add_argument("--reps", type=int, default=15, help="timed calls per case (default 15)")
+    parser.add_argument("--prompt-tokens", type=at_least(1), default=300, help="prompt length in tokens (default 300)")
+    parser.add_argument("--warmup", type=at_least(0), default=3, help="untimed calls per case (default 3)")
+    parser.add_argument("--reps", type=at_least(1), default=15, help="timed calls per case (default 15)")
     parser.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--modes", default=None,
                         help="eager, graphs (CUDA graph replay), compiled (graphs over torch.compile'd layer "
@@ -243,8 +237,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.modes.sort(key=order.index)
     if not args.tiny and not args.device.startswith("cuda"):
         parser.error("the full-size model needs a GPU (about 50 GiB in bf16); use --tiny to check the script on a CPU")
-    if args.prompt_tokens < 1 or args.warmup < 0 or args.reps < 1:
-        parser.error("prompt-tokens and reps must be positive, warmup not negative")
     if args.out is None and os.environ.get("OUT"):
         args.out = str(Path(os.environ["OUT"]) / "bench_gpu.json")
     return args

@@ -44,6 +44,7 @@ from bench.common import (  # noqa: E402
     latency_summary,
     machine,
     markdown_table,
+    numbers,
     timed_call,
     write_json,
 )
@@ -225,55 +226,43 @@ async def level(decider: Any, reader: Any, args: argparse.Namespace, clients: in
     return point
 
 
-async def sweep(decider: Any, reader: Any, args: argparse.Namespace, name: str, values: Sequence[Any],
-                levels: Sequence[int], use: Any, seed: int) -> list[dict[str, Any]]:
-    """A closed-loop level at each of `levels` clients for each of `values`, set by `use(value)` (which
-    returns the level's label); each point carries its value under `name`."""
+async def sweep(decider: Any, reader: Any, args: argparse.Namespace, owner: Any, field: str, name: str,
+                values: Sequence[Any], levels: Sequence[int], label: str, seed: int) -> list[dict[str, Any]]:
+    """A closed-loop level at each of `levels` clients for each of `values`, each value set as the
+    field `name` of the settings dataclass `owner.<field>` (the level's label: `label` formatted with
+    the value); each point carries its value under `name`. The settings are put back after."""
+    import dataclasses
+
+    configured = getattr(owner, field)
     points: list[dict[str, Any]] = []
-    for value in values:
-        label = use(value)
-        for clients in levels:
-            point = await level(decider, reader, args, clients, (clients + seed, clients + seed + 1000), label)
-            points.append({name: value, **point})
+    try:
+        for value in values:
+            setattr(owner, field, dataclasses.replace(configured, **{name: value}))
+            for clients in levels:
+                point = await level(decider, reader, args, clients, (clients + seed, clients + seed + 1000),
+                                    label.format(value))
+                points.append({name: value, **point})
+    finally:
+        setattr(owner, field, configured)
     return points
 
 
 async def gather_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The batching loop's gather window (BATCH_GATHER_MS) chosen by measurement: the closed loop at
-    `--gather-levels` clients for each window of `--gather-ms`; the reader's own window is restored."""
-    import dataclasses
-
-    configured = reader.options
-
-    def use(gather_ms: float) -> str:
-        reader.options = dataclasses.replace(configured, gather_ms=gather_ms)
-        return f"gather {gather_ms:g} ms, "
-
-    try:
-        return await sweep(decider, reader, args, "gather_ms", args.gather_ms, args.gather_levels, use, 2000)
-    finally:
-        reader.options = configured
+    `--gather-levels` clients for each window of `--gather-ms` (the reader's options)."""
+    return await sweep(decider, reader, args, reader, "options", "gather_ms", args.gather_ms, args.gather_levels,
+                       "gather {:g} ms, ", 2000)
 
 
 async def eager_tokens_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Where the encoder's large passes stop being graphed (EAGER_TOKENS in app/engine/hf/graphs/shapes.py)
     chosen by measurement: the closed loop at `--eager-levels` clients for each threshold of
-    `--eager-tokens`; the runner's own shape policy is restored."""
-    import dataclasses
-
+    `--eager-tokens` (the encoder graphs' shape policy)."""
     graphs = reader.runner.encoder_graphs
     if graphs is None:
         return []
-    configured = graphs.policy
-
-    def use(threshold: int) -> str:
-        graphs.policy = dataclasses.replace(configured, eager_tokens=threshold)
-        return f"encoder graphs below {threshold} tokens, "
-
-    try:
-        return await sweep(decider, reader, args, "eager_tokens", args.eager_tokens, args.eager_levels, use, 6000)
-    finally:
-        graphs.policy = configured
+    return await sweep(decider, reader, args, graphs, "policy", "eager_tokens", args.eager_tokens, args.eager_levels,
+                       "encoder graphs below {} tokens, ", 6000)
 
 
 async def unshared(decider: Any, reader: Any, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
@@ -549,21 +538,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="the tiny config (a CPU smoke test of this script)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--seconds", type=float, default=12.0, help="seconds per concurrency level (default 12)")
-    parser.add_argument("--levels", default="1,8,16,32,64", help="client counts (default 1,8,16,32,64)")
-    parser.add_argument("--think", default="16,64", help="think budgets to time (default 16,64; empty: none)")
+    parser.add_argument("--levels", type=numbers(int), default="1,8,16,32,64", help="client counts (default 1,8,16,32,64)")
+    parser.add_argument("--think", type=numbers(int), default="16,64", help="think budgets to time (default 16,64; empty: none)")
     parser.add_argument("--think-reps", type=int, default=3)
     parser.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive baseline")
     parser.add_argument("--no-grids", dest="grids", action="store_false", help="skip the cost-growth grids (E)")
-    parser.add_argument("--grid-prompts", default="300,2000,8000,32000", help="prompt sizes of grid (E), in tokens")
+    parser.add_argument("--grid-prompts", type=numbers(int), default="300,2000,8000,32000",
+                        help="prompt sizes of grid (E), in tokens")
     parser.add_argument("--eager", action="store_true", help="decoder passes without CUDA graphs (CUDA_GRAPHS=0)")
-    parser.add_argument("--gather-ms", default="", help="gather windows to sweep, ms, e.g. 0,2,5,10,20 (default: none)")
-    parser.add_argument("--gather-levels", default="8,32", help="client counts of the gather sweep (default 8,32)")
-    parser.add_argument("--unshared-levels", default="",
+    parser.add_argument("--gather-ms", type=numbers(float), default="",
+                        help="gather windows to sweep, ms, e.g. 0,2,5,10,20 (default: none)")
+    parser.add_argument("--gather-levels", type=numbers(int), default="8,32",
+                        help="client counts of the gather sweep (default 8,32)")
+    parser.add_argument("--unshared-levels", type=numbers(int), default="",
                         help="client counts to run again with every prompt encoded whole, no shared prefix "
                              "(e.g. 32; default: none)")
-    parser.add_argument("--eager-tokens", default="",
+    parser.add_argument("--eager-tokens", type=numbers(int), default="",
                         help="encoder graph thresholds (rows x length) to sweep, e.g. 4096,8192 (default: none)")
-    parser.add_argument("--eager-levels", default="32", help="client counts of the threshold sweep (default 32)")
+    parser.add_argument("--eager-levels", type=numbers(int), default="32",
+                        help="client counts of the threshold sweep (default 32)")
     parser.add_argument("--compile", action="store_true", help="compile the layer bodies (TORCH_COMPILE=1)")
     parser.add_argument("--fused-moe", action="store_true", help="the experts as djev's Triton kernels (FUSED_MOE=1)")
     parser.add_argument("--turnaround", action="store_true",
@@ -578,11 +571,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.levels = [int(level) for level in args.levels.split(",")]
-    for name in ("think", "gather_ms", "gather_levels", "unshared_levels", "eager_tokens", "eager_levels",
-                 "grid_prompts"):  # comma lists, empty for none
-        kind = float if name == "gather_ms" else int
-        setattr(args, name, [kind(t) for t in getattr(args, name).split(",") if t.strip()])
     if not args.tiny and not args.device.startswith("cuda"):
         parser.error("the full-size model needs a GPU; use --tiny to check the script on a CPU")
     if args.out is None and os.environ.get("OUT"):

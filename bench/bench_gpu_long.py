@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import header, latency_summary, machine, markdown_table, percentile, write_json  # noqa: E402
+from bench.common import header, latency_summary, machine, markdown_table, numbers, percentile, write_json  # noqa: E402
 from bench.models import load_random  # noqa: E402
 from bench.server import RandomServe, spawn_random, wait_ready  # noqa: E402
 from bench.workload import state_of, ticket_request  # noqa: E402
@@ -210,11 +210,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the tiny config on the CPU (a smoke test)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--sizes", default=None, help="state tokens, comma-separated (default 8700,35000,110000; "
-                        "--tiny 300,1200,3000)")
+    parser.add_argument("--sizes", type=numbers(int), default=None,
+                        help="state tokens, comma-separated (default 8700,35000,110000; --tiny 300,1200,3000)")
     parser.add_argument("--prefill-chunk", type=int, default=None, help="PREFILL_CHUNK for both runs "
                         "(default: the server's)")
-    parser.add_argument("--chunk-sweep", default="", help="PREFILL_CHUNK values to time one cold read of "
+    parser.add_argument("--chunk-sweep", type=numbers(int), default="", help="PREFILL_CHUNK values to time one cold read of "
                         "--sweep-size tokens at, in process, before the sizes (e.g. 1024,2048,4096,8192)")
     parser.add_argument("--sweep-size", type=int, default=35000)
     parser.add_argument("--warm-reps", type=int, default=5, help="warm reads after each cold one, in process "
@@ -230,9 +230,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    args.sizes = [int(part) for part in (args.sizes or ("300,1200,3000" if args.tiny else "8700,35000,110000"))
-                  .split(",") if part.strip()]
-    args.chunk_sweep = [int(part) for part in args.chunk_sweep.split(",") if part.strip()]
+    args.sizes = args.sizes or numbers(int)("300,1200,3000" if args.tiny else "8700,35000,110000")
     args.max_prompt_tokens = max(32768, -(-(max(args.sizes) + 2048) // 1024) * 1024)
     if args.prefill_chunk is None:
         from app.config import Settings

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import event_median_ms  # noqa: E402
+from bench.common import event_median_ms, numbers  # noqa: E402
 from bench.models import Experts  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2816, 704
@@ -53,7 +53,7 @@ def main() -> None:
     from app.engine.hf.moe import fused as fused_moe
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", default="32,256,1024,4096,10240")
+    parser.add_argument("--tokens", type=numbers(int), default="32,256,1024,4096,10240")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--json", type=Path)
@@ -73,7 +73,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; experts {EXPERTS} x top-{TOP_K}, "
           f"hidden {HIDDEN}, expert FFN {INTER}, bf16; CUDA-graph replays, median of {args.reps}", flush=True)
-    for tokens in [int(t) for t in args.tokens.split(",")]:
+    for tokens in args.tokens:
         x = torch.randn(tokens, HIDDEN, device=device, dtype=torch.bfloat16)
         scores = torch.rand(tokens, EXPERTS, device=device)
         weights, index = torch.topk(torch.softmax(scores, -1), TOP_K, dim=-1)

@@ -53,7 +53,7 @@ from typing import Any, Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import fmt, header, latency_summary, machine, markdown_table, percentile, write_json  # noqa: E402
+from bench.common import fmt, header, latency_summary, machine, markdown_table, numbers, percentile, write_json  # noqa: E402
 from bench.served_load import (  # noqa: E402
     FRESH_S,
     HEAVY_KINDS,
@@ -550,10 +550,6 @@ def camera_plot(results: dict[str, Any], path: Path) -> Path | None:
 
 # ---------------------------------------------------------------------------------------- main
 
-def levels(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
-
-
 # How long past --deadline a --restart may wait for the second start to be ready.
 RESTART_S = 170.0
 # The workloads whose engine stages are timed after the rows (in process: `POST /bench/stages`).
@@ -613,11 +609,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--walk-clients", default=None, help="row (c) clients (default 16)")
     parser.add_argument("--closed-cameras", default=None, help="row (d) cameras (default 8,32; --quick 8)")
     parser.add_argument("--open-cameras", default=None, help="row (e) cameras (default 8,16,32,64; --quick 8,32)")
-    parser.add_argument("--switch-intervals", default="", help="run every row once per server switch interval "
-                        "in ms (e.g. 5,0.2: Python's default beside SWITCH_INTERVAL_MS's), one after the other")
-    parser.add_argument("--gather-rows", default="", help="run every row once per server BATCH_GATHER_ROWS "
+    parser.add_argument("--switch-intervals", type=numbers(float), default="",
+                        help="run every row once per server switch interval in ms (e.g. 5,0.2: Python's default "
+                             "beside SWITCH_INTERVAL_MS's), one after the other")
+    parser.add_argument("--gather-rows", type=numbers(int), default="", help="run every row once per server BATCH_GATHER_ROWS "
                         "(comma-separated, e.g. 0,32: an A/B in one call; 0 = the last batch's count)")
-    parser.add_argument("--session-headroom", default="", help="run every row once per camera pacer "
+    parser.add_argument("--session-headroom", type=numbers(float), default="", help="run every row once per camera pacer "
                         "SESSION_HEADROOM (comma-separated shares in (0, 1], e.g. 0.8,0.92: an A/B of the admission)")
     parser.add_argument("--no-steady", dest="steady", action="store_false", help="skip row (f)")
     parser.add_argument("--rows", default="", help="run only these rows, by letter (e.g. c,d,e: the walk and "
@@ -658,24 +655,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.twin_seconds = args.twin_seconds or (min(3.0, args.seconds) if quick else args.seconds)
     cores = os.cpu_count() or 4
     args.workers = args.workers or min(8, max(4, cores // 2))
-    args.sheet_clients = levels(args.sheet_clients or "32")
-    args.ticket_clients = levels(args.ticket_clients or ("32" if quick else "32,64"))
-    args.walk_clients = levels(args.walk_clients or "16")
-    args.closed_cameras = levels(args.closed_cameras or ("8" if quick else "8,32"))
-    args.open_cameras = levels(args.open_cameras or ("8,32" if quick else "8,16,32,64"))
-    args.switch_intervals = [float(part) for part in args.switch_intervals.split(",") if part.strip()]
+    clients = numbers(int)  # a flag given as "," (no levels) stays empty; one not given takes the default
+    args.sheet_clients = clients(args.sheet_clients or "32")
+    args.ticket_clients = clients(args.ticket_clients or ("32" if quick else "32,64"))
+    args.walk_clients = clients(args.walk_clients or "16")
+    args.closed_cameras = clients(args.closed_cameras or ("8" if quick else "8,32"))
+    args.open_cameras = clients(args.open_cameras or ("8,32" if quick else "8,16,32,64"))
     if any(not 0.01 <= ms <= 100 for ms in args.switch_intervals):
         parser.error("--switch-intervals: each from 0.01 to 100 ms")
-    try:
-        args.gather_rows = [int(part) for part in args.gather_rows.split(",") if part.strip()]
-    except ValueError:
-        parser.error("--gather-rows: comma-separated integers")
     if any(cap < 0 for cap in args.gather_rows):
         parser.error("--gather-rows: each at least 0")
-    try:
-        args.session_headroom = [float(part) for part in args.session_headroom.split(",") if part.strip()]
-    except ValueError:
-        parser.error("--session-headroom: comma-separated numbers")
     if any(not 0 < share <= 1 for share in args.session_headroom):
         parser.error("--session-headroom: each more than 0 and at most 1")
     args.rows = sorted({part.strip() for part in args.rows.split(",") if part.strip()})  # a list: JSON

@@ -39,6 +39,7 @@ from bench.common import (  # noqa: E402
     header,
     machine,
     markdown_table,
+    numbers,
     percentile,
     tiny_checkpoint,
     vllm_cpu_env,
@@ -148,13 +149,13 @@ def main() -> None:
     parser.add_argument("--url", action="append", default=[], help="NAME=URL of a running djev server (repeatable)")
     parser.add_argument("--engines", default="", help="start these engines on the tiny model, e.g. hf,vllm")
     parser.add_argument("--seconds", type=float, default=10.0, help="seconds per concurrency level")
-    parser.add_argument("--levels", default="1,8,16,32")
+    parser.add_argument("--levels", type=numbers(int), default="1,8,16,32")
     parser.add_argument("--repeats", type=int, default=15, help="decisions per cell of the first table")
-    parser.add_argument("--long", default="2000,8000", help="long-state sizes in words (about 1.3 tokens each)")
+    parser.add_argument("--long", type=numbers(int), default="2000,8000",
+                        help="long-state sizes in words (about 1.3 tokens each)")
     parser.add_argument("--json", default="", help="also write the results as JSON here")
     args = parser.parse_args()
-    levels = [int(x) for x in args.levels.split(",") if x]
-    sizes = [int(x) for x in args.long.split(",") if x]
+    levels, sizes = args.levels, args.long
     targets = [tuple(item.split("=", 1)) for item in args.url]
     if not targets and not args.engines:
         parser.error("give --url NAME=URL or --engines hf,vllm")

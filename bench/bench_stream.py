@@ -37,6 +37,7 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402 - the repository root must be importable first
+    at_least,
     fmt,
     header,
     latency_summary,
@@ -188,18 +189,15 @@ def report(results: dict[str, Any], frames: list[bytes], blocked: bool) -> str:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--frames", type=int, default=40, help="timed frames per transport (default 40)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed frames per transport first (default 3)")
-    parser.add_argument("--distinct", type=int, default=4, help="distinct synthetic frames, cycled (default 4)")
+    parser.add_argument("--frames", type=at_least(1), default=40, help="timed frames per transport (default 40)")
+    parser.add_argument("--warmup", type=at_least(0), default=3, help="untimed frames per transport first (default 3)")
+    parser.add_argument("--distinct", type=at_least(1), default=4, help="distinct synthetic frames, cycled (default 4)")
     parser.add_argument("--blocked", action="store_true",
                         help="ask `side` on every frame (two reads per frame, a blocked frame's cost)")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads for the server (default: usable cores - 1, at least 1)")
     parser.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
-    args = parser.parse_args(argv)
-    if args.frames < 1 or args.warmup < 0 or args.distinct < 1:
-        parser.error("frames and distinct must be positive, warmup not negative")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

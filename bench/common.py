@@ -12,6 +12,7 @@ so they are comparable with numbers from numpy-based tools.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gc
 import hashlib
@@ -98,6 +99,33 @@ class CollectorPauses:
     def summary(self) -> dict[str, float]:
         return {"gc_passes": len(self.pauses), "gc_full_passes": sum(1 for g, _ in self.pauses if g == 2),
                 "gc_longest_ms": round(max((ms for _, ms in self.pauses), default=0.0), 1)}
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number no less than `low` (a count of reps, frames, tokens)."""
+    def whole(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value}: at least {low}")
+        return value
+
+    return whole
+
+
+def numbers(kind: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """An argparse type: comma-separated numbers of `kind` ("" or "," for none)."""
+    def parse(text: str) -> list[T]:
+        return [kind(part) for part in text.split(",") if part.strip()]
+
+    return parse
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, more than zero."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: more than 0 seconds")
+    return value
 
 
 def fmt(value: float, digits: int = 1) -> str:
