@@ -2,12 +2,20 @@
 bench uses, the reader `djev serve` would make over random weights, and the model-side knobs the
 benches turn (the vision tower's attention kernel order; grouped_mm's view of an experts module).
 
+The builder (`build_model`) allocates each unique weight once on the device. The model's decoder
+layers are its encoder's (tied), so the full-size model's unique weights are 47.35 GiB in bf16;
+built under a device context the decoder's layers are allocated before they are tied and the
+build peaks near twice that (out of memory on an 80 GB H100). Here the parameters are made on the
+meta device, the ties are made there, then every distinct tensor gets one real tensor on the
+device, shared by every name that shares it, and the model's own initialisation fills them.
+
 torch and transformers are imported where used, as in bench/common.py.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:
     import torch
@@ -96,20 +104,84 @@ def served_experts(device: str) -> str | None:
 
 def build_model(config: DiffusionGemmaConfig, device: str, dtype: torch.dtype, experts: str | None,
                 seed: int = 0) -> DiffusionGemmaForBlockDiffusion:
-    """Random weights, allocated directly on the device. `experts`: the experts implementation
-    (None: transformers' own choice)."""
+    """DiffusionGemma with random weights on `device`, each unique weight allocated once.
+
+    Built with its parameters on the meta device (`parameters_on_meta`: the buffers are built as a
+    normal build makes them), tied there, then materialised (`materialise`) and given random values
+    by the model's own initialisation (`initialise`, drawn after `torch.manual_seed(seed)`).
+    `experts`: the experts implementation (None: transformers' own choice)."""
     import torch
     from transformers import DiffusionGemmaForBlockDiffusion
 
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
     if experts:
         kwargs["experts_implementation"] = experts
-    torch.manual_seed(seed)
-    with torch.device(device):
+    with parameters_on_meta():
         model = DiffusionGemmaForBlockDiffusion._from_config(config, **kwargs)
+    materialise(model, torch.device(device))
+    torch.manual_seed(seed)
+    initialise(model)
     if experts and getattr(model.config, "_experts_implementation", experts) != experts:
         model.set_experts_implementation(experts)
     return model.eval()
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered while the block runs is moved to the meta device as it is
+    registered (its initialisation then costs nothing); buffers stay where they were made, with the
+    values the modules gave them, on the CPU. A parameter is made there (uninitialised, so no memory
+    is touched) and moved at once, so at most one exists off the meta device at a time."""
+    import torch
+    from torch import nn
+
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def materialise(model: torch.nn.Module, device: torch.device) -> None:
+    """One real (uninitialised) tensor on `device` for each distinct meta parameter, set on every
+    module that holds it (tied parameters stay one tensor), and every buffer moved to `device`."""
+    import torch
+    from torch import nn
+
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            real = made.get(id(param))
+            if real is None:
+                real = made[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
+                                                      requires_grad=param.requires_grad)
+            setattr(module, name, real)
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            real = made.get(id(buffer))
+            if real is None:
+                real = made[id(buffer)] = buffer.to(device)
+            setattr(module, name, real)
+
+
+def initialise(model: DiffusionGemmaForBlockDiffusion) -> None:
+    """Random values in every parameter, by the model's own initialisation (`_init_weights`: normal
+    with std `initializer_range`, ones for the norms and scales, the padding row zero), each tied
+    tensor once, by the module a normal build keeps it from: the tie's source. A module whose every
+    parameter is a tie target is left out (a normal build drew its own tensor, then replaced it by
+    the source's), and so is one with no parameters (its buffers hold the build's values already)."""
+    targets = set(model.all_tied_weights_keys)
+    for prefix, module in model.named_modules():
+        names = [f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters(recurse=False)]
+        module._is_hf_initialized = not names or all(name in targets for name in names)  # type: ignore[attr-defined]
+    model.initialize_weights()
 
 
 # ---------------------------------------------------------------------------------------- random-weight readers
