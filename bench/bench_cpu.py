@@ -45,11 +45,10 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Sequence
 
-from app import build
-from app.config import Settings
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app import build  # noqa: E402 - this checkout's app, not an installed one
+from app.config import Settings  # noqa: E402
 from bench.common import (  # noqa: E402 - the repository root must be importable first
     at_least,
     fmt,
@@ -198,7 +197,9 @@ def floor_app() -> Any:
         await request.body()
         return Response(reply, media_type="application/json")
 
-    return Starlette(routes=[Route("/v1/systemone", echo, methods=["POST"])])
+    app = Starlette(routes=[Route("/v1/systemone", echo, methods=["POST"])])
+    app.state.startup = None  # no reader starting up: serve_app's start-up watch has nothing to watch
+    return app
 
 
 async def single_decision(url: str, server_reader: Any, checkpoint: Path, reads: int, warmup: int,
