@@ -646,7 +646,7 @@ async def run_inprocess(services: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # The hf runner's stages the stage timer times (each call's wall time between two device syncs).
-STAGES = ("read_steps", "encode_many", "_image_features", "_encode_embeds", "_encode_over_prefixes",
+STAGES = ("read_steps", "encode_many", "image_features", "_encode_embeds", "_encode_over_prefixes",
           "_over_image_prefixes", "decoder_hidden", "_slot_reads")
 
 
