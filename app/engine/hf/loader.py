@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.engine.base import ReaderInfo, StartupProgress
-from app.engine.hf.memory import MemorySplit, unique_bytes
+from app.engine.hf.graphs.shapes import ShapePolicy
+from app.engine.hf.memory import MemorySplit, plan_graphs, unique_bytes
 from app.engine.hf.reader import HFOptions, HFReader, settle_heap
 
 if TYPE_CHECKING:
@@ -99,6 +100,11 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
     )
     max_prompt_tokens = sized_prompt_limit(model, device, options.max_prompt_tokens)
     weights = unique_bytes(model)
+    plan = None
+    if on_cuda:
+        plan = plan_graphs(torch.cuda.mem_get_info(device)[0], token_kv_bytes(model),
+                           decoder_slots=ShapePolicy.decoder_slots, encoder_slots=ShapePolicy.encoder_slots,
+                           cache_bytes=options.prompt_cache_bytes, reserve=GRAPH_RESERVE_BYTES)
     runner = DiffusionRunner(
         model,
         image_processor,
@@ -112,7 +118,8 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         canvas_step=options.canvas_step,
         max_images=options.max_images,
         prefill_chunk=options.prefill_chunk,
-        kv_bytes=options.prompt_cache_bytes,
+        kv_bytes=plan.prompt_cache_bytes if plan is not None else options.prompt_cache_bytes,
+        graph_slots=(plan.decoder_slots, plan.encoder_slots) if plan is not None else None,
     )
     if options.fused_moe and on_cuda:
         from app.engine.hf.moe.fused import warm_up_experts
@@ -132,7 +139,7 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
     # the same workloads (docs/benchmarks.md). A compile after ready is counted instead (HFReader).
     degraded = None
     if on_cuda:
-        split = memory_split(runner, weights, graph_bytes, options.max_prompt_tokens)
+        split = memory_split(runner, weights, graph_bytes, options.max_prompt_tokens, plan.cuts if plan else ())
         log.info("%s", split.line())
         degraded = split.forced()
         if degraded is not None:
@@ -152,7 +159,8 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
     return HFReader(runner, tokenizer, info, options, degraded=degraded)
 
 
-def memory_split(runner: DiffusionRunner, weights: int, graph_bytes: int, requested_prompt_tokens: int) -> MemorySplit:
+def memory_split(runner: DiffusionRunner, weights: int, graph_bytes: int, requested_prompt_tokens: int,
+                 cuts: tuple[str, ...] = ()) -> MemorySplit:
     """How the CUDA device's memory went at start (`MemorySplit`), after the graphs."""
     import torch
 
@@ -161,7 +169,7 @@ def memory_split(runner: DiffusionRunner, weights: int, graph_bytes: int, reques
     return MemorySplit(total=total, free=free, weights=weights, graphs=graph_bytes,
                        prompt_tokens=runner.max_prompt_tokens, prompt_wanted=wanted,
                        prompt_forced=not requested_prompt_tokens and runner.max_prompt_tokens < CUDA_PROMPT_TOKENS,
-                       held=runner.graphs_held(), left_out=runner.graphs_left_out)
+                       held=runner.graphs_held(), left_out=runner.graphs_left_out, cuts=cuts)
 
 
 # MAX_PROMPT_TOKENS=0: this many on CUDA where the free memory allows, else the CPU's.
@@ -185,6 +193,15 @@ def prompt_kv_bytes(model: DiffusionGemmaForBlockDiffusion, tokens: int) -> int:
         per_token = 2 * attention.k_proj.out_features * element  # keys and values: heads x head dim
         total += per_token * (min(tokens, window - 1) if kind == "sliding_attention" else tokens)
     return total
+
+
+def token_kv_bytes(model: DiffusionGemmaForBlockDiffusion) -> int:
+    """The bytes one token's keys and values take in every layer (what a graph's static KV buffer holds
+    a token)."""
+    from app.engine.hf.parts import encoder_layers
+
+    element = next(model.parameters()).element_size()
+    return sum(2 * layer.self_attn.k_proj.out_features * element for layer in encoder_layers(model))
 
 
 def sized_prompt_limit(model: DiffusionGemmaForBlockDiffusion, device: Any, requested: int,
@@ -247,7 +264,7 @@ def prepare_graphs(runner: DiffusionRunner, progress: StartupProgress) -> int:
     kinds = ", ".join(f"{kind} {runner.stats[f'{kind}_graph_build_ms'] / 1000:.1f} s" for kind in held)
     log.info("CUDA graphs captured in %.1f s (%s; by kind: %s): %s (%.2f GiB)", time.perf_counter() - started, phases,
              kinds, held, runner.graph_memory_bytes() / 2**30)
-    return torch.cuda.memory_reserved(runner.device) - reserved
+    return max(runner.graph_memory_bytes(), torch.cuda.memory_reserved(runner.device) - reserved)
 
 
 def _silent(phase: str, done: int, total: int) -> None:

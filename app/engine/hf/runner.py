@@ -16,6 +16,7 @@ slots, so a 262k-token vocabulary costs rows x slots, not rows x canvas width.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -117,6 +118,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         max_images: int = 8,
         prefill_chunk: int = 2048,
         kv_bytes: int = 0,
+        graph_slots: tuple[int, int] | None = None,
     ) -> None:
         choose_attention_kernels()  # every pass of every runner (served or benched) takes the same kernels
         self.model = model
@@ -150,6 +152,8 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self.policy = ShapePolicy(max_rows=self.max_rows, canvas=canvas, canvas_step=canvas_step,
                                   max_prompt_tokens=max_prompt_tokens, max_images=max_images,
                                   sliding_window=int(getattr(self.text_config, "sliding_window", None) or max_prompt_tokens))
+        if graph_slots is not None:  # the static buffers the card's memory leaves room for (loader.plan_graphs)
+            self.policy = dataclasses.replace(self.policy, decoder_slots=graph_slots[0], encoder_slots=graph_slots[1])
         self.graphs: DecoderGraphs | None = None
         self.encoder_graphs: EncoderGraphs | None = None
         self.graphs_left_out: dict[str, int] = {}  # by kind: shapes `prepare_graphs` could not hold

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import torch
 
-from app.engine.hf.memory import GiB, MemorySplit, unique_bytes
+from app.engine.hf.memory import (
+    CAPTURE_BYTES,
+    MIN_DECODER_SLOTS,
+    MIN_ENCODER_SLOTS,
+    GiB,
+    GraphPlan,
+    MemorySplit,
+    plan_graphs,
+    unique_bytes,
+)
 from app.engine.hf.reader import HFReader
 from tests.conftest import make_tiny_reader
 
@@ -66,3 +75,33 @@ def test_the_reader_says_degraded_with_the_cards_reason(tiny_dir):
     forced = split(prompt_tokens=65536, prompt_forced=True).forced()
     again = HFReader(reader.runner, reader.tokenizer, reader.info, reader.options, degraded=forced)
     assert again.degraded == forced
+
+
+TOKEN_KV = 225 * 1024  # the full-size model's keys and values a token, over its 30 layers, in bf16
+
+
+def test_an_h200_keeps_the_default_graph_buffers_and_prompt_cache():
+    plan = plan_graphs(int(92 * GiB), TOKEN_KV, decoder_slots=72 * 1024, encoder_slots=16 * 1024,
+                       cache_bytes=16 * GiB, reserve=12 * GiB)
+    assert plan == GraphPlan(72 * 1024, 16 * 1024, 16 * GiB, ())
+
+
+def test_an_80_gb_card_cuts_the_prompt_cache_and_the_graph_buffers_to_fit():
+    free = int(31.8 * GiB)  # what the weights leave on an H100
+    plan = plan_graphs(free, TOKEN_KV, decoder_slots=72 * 1024, encoder_slots=16 * 1024, cache_bytes=16 * GiB,
+                       reserve=12 * GiB)
+    assert plan.prompt_cache_bytes == free // 4
+    assert (plan.decoder_slots, plan.encoder_slots) == (18 * 1024, 16 * 1024)  # halved twice, the larger first
+    budget = free - 12 * GiB - plan.prompt_cache_bytes - CAPTURE_BYTES
+    assert (plan.decoder_slots + plan.encoder_slots) * TOKEN_KV <= budget
+    assert len(plan.cuts) == 2 and "the prompt cache to 7.9 GiB" in plan.cuts[0]
+    assert split(cuts=plan.cuts).forced().endswith(plan.cuts[1])  # /health names what was cut
+
+
+def test_the_buffers_stop_at_their_floor_and_an_unbounded_cache_stays_unbounded():
+    plan = plan_graphs(13 * GiB, TOKEN_KV, decoder_slots=72 * 1024, encoder_slots=16 * 1024, cache_bytes=0,
+                       reserve=12 * GiB)
+    # Halved while a half stays at its floor or above: 72k -> 9k, 16k -> 4k.
+    assert (plan.decoder_slots, plan.encoder_slots) == (9 * 1024, 4 * 1024)
+    assert MIN_DECODER_SLOTS <= plan.decoder_slots < 2 * MIN_DECODER_SLOTS and plan.encoder_slots == MIN_ENCODER_SLOTS
+    assert plan.prompt_cache_bytes == 0  # PROMPT_CACHE_GB=0: bounded by entries only, as asked
