@@ -239,11 +239,24 @@ class KVStore:
         for pooled, new in ((pool.keys[index], keys), (pool.values[index], values)):
             pooled.view(-1, *shape[1:]).index_copy_(0, slots, new)
 
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [n, kv_heads, head_dim] at `slots` of that layer's pool (from `full_slots` or
+        `sliding_slots`, by the layer's kind): `gather` with the slots worked out once a turn."""
+        pool, index = self._where[layer]
+        keys, values = pool.keys[index], pool.values[index]
+        return keys.view(-1, *keys.shape[2:])[slots], values.view(-1, *values.shape[2:])[slots]
+
+    def sliding_layer(self, layer: int) -> bool:
+        """Whether `layer` keeps its KV in the sliding pool."""
+        return self._where[layer][0] is self._sliding
+
     def gather(self, layer: int, seq: SequenceKV, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [end − start, kv_heads, head_dim] of written positions [start, end) (held
-        ones, for a sliding layer): what the CPU reference attention reads."""
-        if end > seq.written:
-            raise ValueError(f"positions [{start}, {end}) are not all written ({seq.written})")
+        """Keys and values [end − start, kv_heads, head_dim] of reserved positions [start, end) (held
+        ones, for a sliding layer): what the CPU reference attention reads. Positions past `written`
+        are the ones the turn being run writes before its attention reads them (`mark_written` comes
+        after the turn)."""
+        if end > seq.reserved:
+            raise ValueError(f"positions [{start}, {end}) are not all reserved ({seq.reserved})")
         pool, index = self._where[layer]
         slots = self._slots(seq, seq.sliding if pool is self._sliding else seq.full, start, end)
         keys, values = pool.keys[index], pool.values[index]
