@@ -106,6 +106,8 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
         max_images=settings.limits.max_images,
         prefill_chunk=settings.hf.prefill_chunk,
         prompt_cache_bytes=round(settings.hf.prompt_cache_gb * 2**30),
+        flat_turn=settings.hf.flat_turn,
+        turn_tokens=settings.hf.turn_tokens,
     )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generator
+from typing import TYPE_CHECKING, Generator, cast
 
 import torch
 
@@ -30,7 +30,19 @@ if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.cache_utils import DynamicCache
 
+    from app.engine.hf.flat.engine import FlatEngine
     from app.engine.hf.graphs.decoder import DecoderGraphs
+    from app.engine.hf.runner import DiffusionRunner
+
+
+def check_spec(spec: GenerateSpec) -> None:
+    """The request's sampler fields, as the row path checks them (a 400 naming the field)."""
+    if not (math.isfinite(spec.temperature) and spec.temperature >= 0.0):
+        raise EngineInputError(f"temperature must be a number >= 0, got {spec.temperature}", param="temperature")
+    if not (math.isfinite(spec.top_p) and 0.0 < spec.top_p <= 1.0):
+        raise EngineInputError(f"top_p must be in (0, 1], got {spec.top_p}", param="top_p")
+    if spec.max_tokens < 0:
+        raise EngineInputError(f"max_tokens must be >= 0, got {spec.max_tokens}", param="max_tokens")
 
 
 class GenerationMixin:
@@ -44,6 +56,7 @@ class GenerationMixin:
     generation: dict[str, float]
     stats: Counter[str]
     prompts: PromptCache[CacheKey, EncodedPrompt]
+    flat: FlatEngine | None
 
     if TYPE_CHECKING:  # PromptEncodingMixin's and DiffusionRunner's own
         def _encode_into_cache(self, prompt: Prompt, preprocessed: Preprocessed | None = None) -> tuple[DynamicCache, int]:
@@ -82,12 +95,12 @@ class GenerationMixin:
         so no turn of a generation encodes more than a read's turn does, and a prompt in the LRU is
         taken from there; any other prompt in one pass (`_encode_into_cache`). `preprocessed`: the
         prompt's images, already decoded off this thread (HFReader)."""
-        if not (math.isfinite(spec.temperature) and spec.temperature >= 0.0):
-            raise EngineInputError(f"temperature must be a number >= 0, got {spec.temperature}", param="temperature")
-        if not (math.isfinite(spec.top_p) and 0.0 < spec.top_p <= 1.0):
-            raise EngineInputError(f"top_p must be in (0, 1], got {spec.top_p}", param="top_p")
-        if spec.max_tokens < 0:
-            raise EngineInputError(f"max_tokens must be >= 0, got {spec.max_tokens}", param="max_tokens")
+        if self.flat is not None:
+            from app.engine.hf.flat.generate import GenerateProgram
+
+            program = GenerateProgram(cast("DiffusionRunner", self), spec, canvas_length, preprocessed)
+            return (yield from self.flat.start_generation(program))
+        check_spec(spec)
         if self.needs_chunks(spec.prompt) or spec.prompt.cache_key in self.prompts:
             encoded = yield from self.encode_steps(spec.prompt, preprocessed)
             cache, length = self.cache_holding(encoded), encoded.length
@@ -106,21 +119,33 @@ class GenerationMixin:
         Returns a chunk when the pass committed tokens or ended the generation, else None."""
         if gen.done:
             raise RuntimeError("this generation has finished")
+        if gen.cache is None and self.flat is not None:
+            return self.flat.step_generation(gen)
         if gen.pending is not None:
             self._commit(gen, gen.pending)
             self.finish_turn()  # its own turn: nothing reads the commit back, so wait for it here
             gen.pending = None
             return None
-        remaining_tokens = gen.spec.max_tokens - len(gen.produced)
-        if remaining_tokens <= 0:  # max_tokens 0: nothing to run
+        if gen.spec.max_tokens - len(gen.produced) <= 0:  # max_tokens 0: nothing to run
             gen.done = True
             return GenerateChunk(ids=(), done=True, prompt_tokens=gen.prompt_tokens, passes=gen.passes)
+        block = self.next_block(gen)
+        block_ids = self._denoise_pass(gen, block)
+        return None if block_ids is None else self.end_block(gen, block_ids)
+
+    def next_block(self, gen: "Generation") -> "_Block":
+        """The block `gen` is denoising: a new random canvas when it has none, as wide as the tokens
+        still wanted (in steps of 16), at most its canvas length."""
         if gen.block is None:
+            remaining_tokens = gen.spec.max_tokens - len(gen.produced)
             width = min(gen.canvas_length, max(16, 16 * math.ceil(remaining_tokens / 16)))
             gen.block = self._new_block(gen, width)
-        block_ids = self._denoise_pass(gen, gen.block)
-        if block_ids is None:
-            return None
+        return gen.block
+
+    def end_block(self, gen: "Generation", block_ids: list[int]) -> GenerateChunk:
+        """A finished block's ids taken up to a stop id and `max_tokens`: the chunk it gives, and the
+        block left to commit unless the generation is done."""
+        remaining_tokens = gen.spec.max_tokens - len(gen.produced)
         gen.block = None
         cut = next((i for i, token in enumerate(block_ids) if token in gen.stop), None)
         take = (block_ids if cut is None else block_ids[:cut])[:remaining_tokens]
@@ -157,7 +182,7 @@ class GenerationMixin:
     def _denoise_pass(self, gen: "Generation", block: "_Block") -> list[int] | None:
         """One decoder pass and sampler step over `block`; its argmax ids once it is stable and
         confident or out of steps, else None."""
-        settings = self.generation
+        assert gen.cache is not None, "a generation of the row path"
         hidden = None
         if self.graphs is not None:  # the read path's decoder graphs, over the generation's own cache
             context = EncodedPrompt(cache_kv(gen.cache), gen.length)
@@ -171,6 +196,13 @@ class GenerationMixin:
                 decoder_position_ids=block.positions,
                 self_conditioning_logits=block.conditioning,
             ).last_hidden_state
+        return self.sample_pass(gen, block, hidden)
+
+    def sample_pass(self, gen: "Generation", block: "_Block", hidden: torch.Tensor) -> list[int] | None:
+        """The sampler step after a decoder pass over `block` (its hidden states [1, width, H]): the
+        block's next canvas and self-conditioning; its argmax ids once it is stable and confident or
+        out of steps, else None."""
+        settings = self.generation
         self.stats["decoder_passes"] += 1
         self.stats["generation_passes"] += 1
         gen.passes += 1
@@ -191,6 +223,7 @@ class GenerationMixin:
 
     def _commit(self, gen: "Generation", block_ids: list[int]) -> None:
         """Encode a finished block into the generation's cache: the next block reads it as prompt."""
+        assert gen.cache is not None, "a generation of the row path"
         width = len(block_ids)
         ids = torch.tensor([block_ids], dtype=torch.long, device=self.device)
         positions = (gen.length + torch.arange(width, device=self.device)).unsqueeze(0)
@@ -218,7 +251,7 @@ class Generation:
 
     spec: GenerateSpec
     canvas_length: int
-    cache: DynamicCache  # the prompt's KV, then every committed block's
+    cache: DynamicCache | None  # the prompt's KV, then every committed block's (None: the flat turn's store holds it)
     length: int  # tokens in `cache`
     prompt_tokens: int
     generator: torch.Generator

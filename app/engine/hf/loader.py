@@ -119,6 +119,7 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         max_images=options.max_images,
         prefill_chunk=options.prefill_chunk,
         kv_bytes=plan.prompt_cache_bytes if plan is not None else options.prompt_cache_bytes,
+        turn_tokens=options.turn_tokens if options.flat_turn else 0,
         graph_slots=(plan.decoder_slots, plan.encoder_slots) if plan is not None else None,
     )
     if options.fused_moe and on_cuda:

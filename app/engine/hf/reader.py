@@ -45,7 +45,9 @@ from app.engine.base import (
 )
 
 if TYPE_CHECKING:
-
+    from app.engine.hf.flat.engine import TurnReport
+    from app.engine.hf.flat.generate import GenerateProgram
+    from app.engine.hf.flat.reads import ReadProgram
     from app.engine.hf.generation import Generation
     from app.engine.hf.prompts import Preprocessed, ProcessedImages
     from app.engine.hf.runner import DiffusionRunner
@@ -81,6 +83,8 @@ class HFOptions:
     prefill_chunk: int = 2048  # prompt tokens encoded in one engine turn (longer prompts: in chunks)
     prompt_cache_bytes: int = 0  # the bytes the prompt LRU may hold (0: bounded by entries only)
     gather_rows: int = 32  # the most canvases a gather waits for (0: the last batch's count)
+    flat_turn: bool = False  # each turn one forward over a flat batch (app/engine/hf/flat/)
+    turn_tokens: int = 8192  # the flat turn's token budget
 
 
 def settle_heap() -> None:
@@ -137,7 +141,8 @@ def compile_counts(runner: DiffusionRunner) -> tuple[int, int, int]:
     return captures, compiled, triton
 
 
-TURN_KINDS = ("read", "heavy", "generation")  # a read batch, a heavy read's step, a generation's pass
+# A read batch, a heavy read's step, a generation's pass; a flat turn (FLAT_TURN: all of them at once).
+TURN_KINDS = ("read", "heavy", "generation", "flat")
 AFTER_READY = ("captures_after_ready", "recompiles_after_ready", "triton_compiles_after_ready")
 
 
@@ -183,26 +188,41 @@ class _ReadJob:
         self.long_tokens = long_tokens  # its long prompts' tokens to encode (`DiffusionRunner.long_encoding`)
         self.program: Generator[None, None, list[ReadResult | Exception]] | None = None
         self.turns = 0  # the steps of `program` run so far
+        self.flat: ReadProgram | None = None  # its program on the flat turn (FLAT_TURN)
 
     @property
     def dropped(self) -> bool:
         return self.future.done()  # cancelled by its caller (deadline, disconnect) or already failed
+
+    @property
+    def work(self) -> ReadProgram:
+        """Its program on the flat turn (the flat engine's `Entry`)."""
+        assert self.flat is not None
+        return self.flat
 
 
 class _GenerateJob:
     """A generation that takes one model pass per turn, then goes back to the end of the queue."""
 
     def __init__(self, spec: GenerateSpec, images: Preprocessed) -> None:
+        self.caller = current_caller.get()
         self.spec = spec
         self.images = images  # for its first pass (the prompt's encoding)
         self.chunks: asyncio.Queue[GenerateChunk | BaseException] = asyncio.Queue()
         self.starting: Generator[None, None, Generation] | None = None  # its prompt's encoding, stepwise
         self.state: Generation | None = None  # the runner's Generation, once its prompt is encoded
+        self.flat: GenerateProgram | None = None  # its program on the flat turn (FLAT_TURN)
         self.cancelled = False
 
     @property
     def dropped(self) -> bool:
         return self.cancelled
+
+    @property
+    def work(self) -> GenerateProgram:
+        """Its program on the flat turn (the flat engine's `Entry`)."""
+        assert self.flat is not None
+        return self.flat
 
 
 _Job = _ReadJob | _GenerateJob
@@ -322,6 +342,10 @@ class HFReader:
         heavy = self._heavy(specs)
         long_tokens = 0 if heavy else sum(self.runner.long_encoding(prompt) for prompt in {spec.prompt for spec in specs})
         job = _ReadJob(list(specs), asyncio.get_running_loop().create_future(), images, heavy, long_tokens)
+        if self.runner.flat is not None:
+            from app.engine.hf.flat.reads import ReadProgram
+
+            job.flat = ReadProgram(self.runner, specs, images)
         self._submit(job)
         return await job.future
 
@@ -331,6 +355,14 @@ class HFReader:
     async def stream(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
         self._admit()
         job = _GenerateJob(spec, await self._preprocess([spec.prompt], reuse=False))
+        if self.runner.flat is not None:
+            from app.engine.hf.flat.generate import GenerateProgram
+
+            try:
+                job.flat = GenerateProgram(self.runner, spec, self.info.canvas_length, job.images)
+            except EngineInputError:
+                self._release(job)
+                raise
         self._submit(job)
         try:
             while True:
@@ -423,6 +455,9 @@ class HFReader:
 
     async def _loop(self) -> None:
         assert self._wakeup is not None
+        if self.runner.flat is not None:
+            await self._flat_loop()
+            return
         loop = asyncio.get_running_loop()
         while True:
             while not self._queue:
@@ -451,6 +486,82 @@ class HFReader:
                     self._queue.appendleft(job)
                     raise
             await self._read_batch(loop, self._take_batch(job))
+
+    # ------------------------------------------------------------------ the flat turn (FLAT_TURN)
+
+    async def _flat_loop(self) -> None:
+        """Each turn, one forward over the queue's work (`FlatEngine.step`): every job's program asked in
+        queue order for what it runs within the token budget, shared fairly among callers. After the
+        turn, the jobs that waited keep their place, the jobs that arrived meanwhile follow, and the
+        jobs that ran and are not done go behind them: a steady client's read rides the very turn a
+        heavy request's chunk runs in, or the next."""
+        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        dropped: list[ReadProgram | GenerateProgram] = []
+        while True:
+            while not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            head = self._queue[0]
+            if (self.options.gather_ms > 0 and self._busy and isinstance(head, _ReadJob)
+                    and head.rows < self.options.max_batch_rows):
+                await self._gather(head)
+            jobs: list[_Job] = []
+            for job in self._queue:
+                if job.dropped:
+                    self._release(job)
+                    if job.flat is not None:
+                        dropped.append(job.flat)
+                else:
+                    jobs.append(job)
+            snapshot = len(self._queue)
+            for job in jobs:
+                self._release(job)  # (the program holds its images; their room goes back now)
+            released, dropped = dropped, []
+            ok, report = await self._engine_turn(loop, jobs, "flat", f"a flat turn of {len(jobs)} job(s)",
+                                                 self._flat_step, jobs, released)
+            arrived = list(self._queue)[snapshot:]
+            if not ok or report is None:
+                self._queue = deque(arrived)
+                continue
+            ran = {id(entry) for entry in report.ran}  # (the jobs themselves)
+            self._busy = len(jobs) > 1 or bool(arrived)
+            self._last_rows = report.canvas_parts
+            waiting, again = [], []
+            for job in jobs:
+                if self._flat_settle(job):
+                    continue
+                (again if id(job) in ran else waiting).append(job)
+            self._queue = deque([*waiting, *arrived, *again])
+
+    def _flat_step(self, jobs: list[_Job], dropped: list[ReadProgram | GenerateProgram]) -> TurnReport:
+        """On the engine thread: the dropped jobs' programs released, then one turn over `jobs`."""
+        flat = self.runner.flat
+        assert flat is not None
+        for program in dropped:
+            flat.release(program)
+        return flat.step(jobs)
+
+    def _flat_settle(self, job: _Job) -> bool:
+        """What the turn gave `job`'s caller (a read's results once all are in, a generation's chunk);
+        True when the job is finished."""
+        if isinstance(job, _ReadJob):
+            program = job.flat
+            assert program is not None
+            if not program.done:
+                return False
+            self.runner.stats["reads"] += len(job.specs)
+            self._settle(job, program.outcomes())
+            return True
+        program = job.flat
+        assert program is not None
+        for chunk in program.chunks:
+            job.chunks.put_nowait(chunk)
+        program.chunks = []
+        if program.error is not None:
+            job.chunks.put_nowait(program.error)
+            return True
+        return program.done
 
     def _next_job(self) -> _Job:
         """The queue's head; but after a heavy read's step or a generation's pass, the first light

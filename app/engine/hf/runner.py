@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from transformers.cache_utils import DynamicLayer
     from transformers.image_processing_utils import BaseImageProcessor
 
+    from app.engine.hf.flat.engine import FlatEngine
     from app.engine.hf.graphs.decoder import DecoderGraphs
     from app.engine.hf.graphs.encoder import EncoderGraphs
     from app.engine.hf.graphs.vision import VisionGraphs
@@ -65,6 +66,9 @@ GENERATION_DEFAULTS: dict[str, float] = {
     "confidence_threshold": 0.005,
 }
 
+
+# The flat turn's KV store when PROMPT_CACHE_GB leaves it unbounded (0).
+FLAT_STORE_BYTES = 16 * 2**30
 
 # Slot positions unembedded at once: their fp32 logits are SLOT_CHUNK x vocab (256 MiB for the
 # 262k vocabulary).
@@ -118,6 +122,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         max_images: int = 8,
         prefill_chunk: int = 2048,
         kv_bytes: int = 0,
+        turn_tokens: int = 0,
         graph_slots: tuple[int, int] | None = None,
     ) -> None:
         choose_attention_kernels()  # every pass of every runner (served or benched) takes the same kernels
@@ -160,6 +165,13 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self.vision_graphs: VisionGraphs | None = None
         if cuda_graphs and device.type == "cuda":
             self.use_graphs(capture=True)
+        # FLAT_TURN: each engine turn one forward over a flat batch of `turn_tokens` tokens at most, the
+        # prompts' KV in the flat engine's blocks (app/engine/hf/flat/); 0: the row path.
+        self.flat: FlatEngine | None = None
+        if turn_tokens:
+            from app.engine.hf.flat.engine import FlatEngine
+
+            self.flat = FlatEngine(self, budget=turn_tokens, store_bytes=kv_bytes or FLAT_STORE_BYTES)
 
     def use_graphs(self, *, capture: bool) -> None:
         """Give the runner its decoder, encoder and vision graphs over one memory pool (with
@@ -341,6 +353,13 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         each decoder pass (a multi-step read's passes, and the passes of more canvases than one pass
         holds: `ShapePolicy.decoder_passes`, at most `max_rows`, and fewer over long prompts). Returns
         what `read` returns. Run it on the engine thread only."""
+        if self.flat is not None:
+            from app.engine.hf.flat.reads import ReadProgram
+
+            program = ReadProgram(self, specs, preprocessed)
+            yield from self.flat.solo(program)
+            self.stats["reads"] += len(specs)
+            return program.outcomes()
         results: list[ReadResult | Exception | None] = [None] * len(specs)
         # (No grad mode held across a yield: each step sets its own, so other work between two
         # steps runs in whatever mode it sets.)

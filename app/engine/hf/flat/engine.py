@@ -1,0 +1,214 @@
+"""The flat turn's parts, held by the runner: the KV store, the attention backend, the forward, the turn;
+and `step`, one engine turn over the programs the reader queues.
+
+A step prepares the programs new to it (their prompts' ids and keys, their images through the vision
+tower together, their sequences opened in the store), composes the turn from the queue within the
+token budget (`scheduler.compose`), runs it as one forward, and gives each program its results.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generator, Protocol, Sequence
+
+from app.engine.hf.flat.attention import ReferenceAttention
+from app.engine.hf.flat.blocks import KVStore, LayerShape
+from app.engine.hf.flat.forward import FlatForward
+from app.engine.hf.flat.layout import Kind
+from app.engine.hf.flat.prompts import PromptState, prepare
+from app.engine.hf.flat.scheduler import compose
+from app.engine.hf.flat.turn import FlatTurn, Part
+from app.engine.hf.parts import encoder_layers, layer_types, text_config
+
+if TYPE_CHECKING:
+    from app.engine.base import GenerateChunk, Prompt
+    from app.engine.hf.flat.generate import GenerateProgram
+    from app.engine.hf.generation import Generation
+    from app.engine.hf.prompts import Preprocessed
+    from app.engine.hf.runner import DiffusionRunner
+
+# The fewest tokens a turn may hold: a widest canvas and an image beside a prompt's chunk.
+MIN_TURN_TOKENS = 1024
+
+
+class Program(Protocol):
+    """A read or a generation as the flat engine steps it (`ReadProgram`, `GenerateProgram`)."""
+
+    preprocessed: Preprocessed | None
+    turns: int
+
+    def prompts(self) -> list[Prompt]: ...
+
+    def adopt(self, states: list[PromptState]) -> None: ...
+
+    def parts(self, store: KVStore, room: int, chunk: int, rows: int) -> list[Part]: ...
+
+    def take(self) -> None: ...
+
+    def close(self, store: KVStore) -> None: ...
+
+    @property
+    def done(self) -> bool: ...
+
+
+class Entry(Protocol):
+    """A queued job as the engine sees it: whose it is (`caller`) and its program (`work`)."""
+
+    @property
+    def caller(self) -> int: ...
+
+    @property
+    def work(self) -> Program: ...
+
+
+@dataclass(frozen=True)
+class TurnReport:
+    """What a step ran: the entries that took part, and the turn's tokens."""
+
+    ran: list[Entry]
+    prompt_tokens: int
+    canvas_tokens: int
+    canvas_parts: int
+
+
+class FlatEngine:
+    """The store, attention, forward and turn of one model, and the step that drives them."""
+
+    def __init__(self, runner: DiffusionRunner, *, budget: int, store_bytes: int) -> None:
+        model = runner.model
+        shapes = []
+        for layer, kind in zip(encoder_layers(model), layer_types(model)):
+            attention = layer.self_attn
+            shapes.append(LayerShape(kind == "sliding_attention", attention.k_proj.out_features // attention.head_dim,
+                                     attention.head_dim))
+        window = int(text_config(model).sliding_window or 0) or runner.max_prompt_tokens + 1
+        self.runner = runner
+        self.budget = budget
+        self.store = KVStore(shapes, window, store_bytes, runner.device, model.dtype,
+                             preallocate=runner.device.type == "cuda")
+        self.attention = ReferenceAttention(self.store, window)
+        self.forward = FlatForward(model, self.store, self.attention)
+        self.turn = FlatTurn(self.forward, self.store, runner.device)
+        self.prepared: set[int] = set()  # ids of the programs adopted
+        # Generations stepped through the runner's own calls (`start_generation`), by their Generation,
+        # and the chunk a turn gave before its caller asked for it.
+        self.generations: dict[int, GenerateProgram] = {}
+        self.waiting: dict[int, list[GenerateChunk]] = {}
+
+    def step(self, queue: Sequence[Entry]) -> TurnReport:
+        """One engine turn over `queue` (in its fair order): the new programs prepared, the turn
+        composed within the budget and run as one forward, each program that ran given its results;
+        a program done is closed (its sequences released)."""
+        runner = self.runner
+        self._prepare([entry.work for entry in queue if id(entry.work) not in self.prepared])
+        asked: dict[int, list[Part]] = {}
+        canvases = 0
+
+        def ask(entry: Entry, room: int) -> int:
+            nonlocal canvases
+            parts = entry.work.parts(self.store, room, runner.prefill_chunk, runner.max_rows - canvases)
+            asked.setdefault(id(entry.work), []).extend(parts)
+            canvases += sum(1 for part in parts if part.kind is Kind.CANVAS)
+            return sum(part.tokens for part in parts)
+
+        ran = compose([entry for entry in queue if not entry.work.done], self.budget, ask)
+        parts = [part for entry in ran for part in asked[id(entry.work)]]
+        counts: Counter[Kind] = Counter()
+        for part in parts:
+            counts[part.kind] += part.tokens
+        if parts:
+            runner.step_note = (f"a flat turn of {len(parts)} part(s): {counts[Kind.PROMPT]} prompt and "
+                                f"{counts[Kind.CANVAS]} canvas token(s)")
+            self.turn.run(parts)
+            for entry in ran:
+                entry.work.take()
+            runner.stats["flat_turns"] += 1
+            runner.stats["flat_prompt_tokens"] += counts[Kind.PROMPT]
+            runner.stats["flat_canvas_tokens"] += counts[Kind.CANVAS]
+        for entry in queue:
+            if entry.work.done:
+                self.release(entry.work)
+        return TurnReport(ran, counts[Kind.PROMPT], counts[Kind.CANVAS], canvases)
+
+    def release(self, program: Program) -> None:
+        """A program that ended or was dropped: its sequences released, its preparation forgotten."""
+        program.close(self.store)
+        self.prepared.discard(id(program))
+
+    def _prepare(self, programs: list[Program]) -> None:
+        """The new programs' prompts, prepared together (their images share vision passes)."""
+        if not programs:
+            return
+        prompts = [prompt for program in programs for prompt in program.prompts()]
+        images: dict = {}
+        for program in programs:
+            images.update(program.preprocessed or {})
+        states = prepare(self.runner, self.store, prompts, images)
+        offset = 0
+        for program in programs:
+            count = len(program.prompts())
+            program.adopt(states[offset:offset + count])
+            offset += count
+            self.prepared.add(id(program))
+
+    # ------------------------------------------------------------------ one program alone
+
+    def solo(self, program: Program) -> Generator[None, None, None]:
+        """`program` stepped alone, a turn a step (a yield between two), until it is done: how the
+        runner's own `read_steps` and generation calls run on the flat turn (tests, benches, the
+        warm-up); the reader steps its queue together instead."""
+        entry = Solo(program)
+        try:
+            while True:
+                report = self.step([entry])
+                if program.done:
+                    return
+                if not report.ran:
+                    raise RuntimeError("a program alone took no part in a turn: its next part is wider than the "
+                                       "turn's token budget")
+                yield
+        finally:
+            self.release(program)
+
+    def start_generation(self, program: GenerateProgram) -> Generator[None, None, Generation]:
+        """A generation's first turns, alone, until its prompt is written (its first block's pass may
+        ride the last of them); then its `Generation`, which `step_generation` steps on."""
+        while True:
+            program.chunks = []
+            report = self.step([Solo(program)])
+            if program.error is not None:
+                self.release(program)
+                raise program.error
+            state, gen = program.state, program.gen
+            assert state is not None and state.sequence is not None and gen is not None
+            if state.sequence.written >= state.length:
+                self.generations[id(gen)] = program
+                self.waiting[id(gen)] = list(program.chunks)
+                return gen
+            if not report.ran:
+                raise RuntimeError("a generation's prompt took no part in a turn")
+            yield
+
+    def step_generation(self, gen: Generation) -> GenerateChunk | None:
+        """One turn of a generation that `start_generation` began: the chunk it gave, if any."""
+        program = self.generations[id(gen)]
+        waiting = self.waiting.get(id(gen))
+        if waiting:  # a pass that rode the prompt's last turn gave this already
+            return waiting.pop(0)
+        program.chunks = []
+        self.step([Solo(program)])
+        if program.error is not None:
+            raise program.error
+        if program.done:
+            self.generations.pop(id(gen), None)
+            self.waiting.pop(id(gen), None)
+        return program.chunks[0] if program.chunks else None
+
+
+@dataclass(frozen=True)
+class Solo:
+    """A program stepped on its own (`FlatEngine.solo`): caller 0."""
+
+    work: Program
+    caller: int = 0

@@ -1,0 +1,211 @@
+"""The hf reader on the flat turn (FLAT_TURN=1), on the tiny model: every turn one forward within
+TURN_TOKENS, a steady read riding the turns of a long prompt or a big decision, a caller's half of a
+turn, a dropped read's blocks released, a read the KV store cannot hold failing alone with a 503, a
+failed turn failing only its own jobs, and generations streamed a pass a turn."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.engine.base import EngineError, EngineUnavailable, GenerateSpec, Prompt, current_caller, new_caller
+from app.engine.hf.flat.layout import Kind
+from tests.conftest import make_tiny_reader
+from tests.engine.hf.test_reader import spec_for
+
+LONG_STATE = " ".join(f"word{i % 97} and{i % 13}" for i in range(120))
+BUDGET = 1024
+
+
+def flat_reader(tiny_dir, **settings):
+    settings.setdefault("turn_tokens", BUDGET)
+    reader = make_tiny_reader(tiny_dir, flat_turn=True, **settings)
+    turns: list[int] = []
+    run = reader.runner.flat.turn.run
+
+    def counted(parts):
+        turns.append(sum(part.tokens for part in parts))
+        return run(parts)
+
+    reader.runner.flat.turn.run = counted
+    return reader, turns
+
+
+def many_canvases(tokenizer, n: int, tag: str):
+    return [spec_for(tokenizer, f"{tag} {k}", "q1: yes", [5 + k % 7]) for k in range(n)]
+
+
+def test_no_turn_takes_more_than_the_budget_and_every_read_is_answered(tiny_dir, tokenizer):
+    reader, turns = flat_reader(tiny_dir, prefill_chunk=256)
+    long = spec_for(tokenizer, LONG_STATE, "q1: yes", [42, 7])
+    big = many_canvases(tokenizer, 60, "big")  # 60 prompts and canvases: more than a turn holds
+
+    async def scenario():
+        await reader.start()
+        try:
+            return await asyncio.gather(reader.read([long]), reader.read(big))
+        finally:
+            await reader.stop()
+
+    long_result, big_results = asyncio.run(scenario())
+    assert len(long_result[0].slots) == 2 and len(big_results) == 60
+    assert max(turns) <= BUDGET and len(turns) > 2
+    assert reader.stats["flat_turn_count"] == len(turns)
+
+
+def test_a_short_read_rides_the_turns_of_a_long_prompt(tiny_dir, tokenizer):
+    reader, turns = flat_reader(tiny_dir, prefill_chunk=48)
+    canvases: list[set[tuple[int, ...]]] = []  # each turn's canvases
+    run = reader.runner.flat.turn.run
+
+    def seen(parts):
+        canvases.append({tuple(part.ids) for part in parts if part.kind is Kind.CANVAS})
+        return run(parts)
+
+    reader.runner.flat.turn.run = seen
+    long = spec_for(tokenizer, LONG_STATE, "q1: yes", [42, 7])
+    chunks = -(-len(long.prompt.ids) // 48)
+    order: list[str] = []
+    waited: list[int] = []  # turns from a short read's arrival to the turn that read its canvas
+
+    async def scenario():
+        await reader.start()
+        try:
+            task = asyncio.create_task(reader.read([long]))
+            task.add_done_callback(lambda _: order.append("long"))
+            await asyncio.sleep(0)  # queued first
+            for n in range(3):
+                short = spec_for(tokenizer, f"short {n}", "q1: yes", [50 + n])
+                arrived = len(canvases)
+                await reader.read([short])
+                waited.append(next(i for i, turn in enumerate(canvases) if short.canvases[0] in turn) - arrived)
+                order.append(f"short {n}")
+            await task
+        finally:
+            await reader.stop()
+
+    asyncio.run(scenario())
+    assert order == ["short 0", "short 1", "short 2", "long"]
+    # Each short read rode the turn after the one running when it came, and added no turn of its own:
+    # the long prompt's chunks are all the turns there were (its canvases rode its last chunk).
+    assert max(waited) <= 1 and len(canvases) == chunks
+
+
+def test_one_caller_takes_at_most_half_a_turn_while_another_waits(tiny_dir, tokenizer):
+    reader, turns = flat_reader(tiny_dir)
+    big = many_canvases(tokenizer, 80, "decision")
+    steady = spec_for(tokenizer, "steady", "q1: yes", [5])
+
+    async def as_caller(specs):
+        current_caller.set(new_caller())
+        return await reader.read(specs)
+
+    async def scenario():
+        await reader.start()
+        try:
+            heavy = asyncio.create_task(as_caller(big))
+            await asyncio.sleep(0)
+            await as_caller([steady])
+            turns_when_steady_done = len(turns)
+            await heavy
+            return turns_when_steady_done
+        finally:
+            await reader.stop()
+
+    assert asyncio.run(scenario()) == 1  # the steady read shared the decision's first turn
+    assert len(turns) >= 2
+
+
+def test_a_dropped_read_releases_its_blocks(tiny_dir, tokenizer):
+    reader, turns = flat_reader(tiny_dir, prefill_chunk=48)
+    long = spec_for(tokenizer, LONG_STATE, "q1: yes", [42])
+    store = reader.runner.flat.store
+
+    async def scenario():
+        await reader.start()
+        try:
+            task = asyncio.create_task(reader.read([long]))
+            while len(turns) < 2:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            (after,) = await reader.read([spec_for(tokenizer, "after", "q1: yes", [5])])  # the turn that drops it
+            return after
+        finally:
+            await reader.stop()
+
+    after = asyncio.run(scenario())
+    assert len(after.slots) == 1
+    assert store.stats["blocks_used"] == 0  # nothing still referenced: the long prompt's blocks released
+
+
+def test_a_read_the_store_cannot_hold_fails_alone_with_a_503(tiny_dir, tokenizer):
+    # About 400 KiB of KV (7 blocks a pool): a short prompt fits, the long state does not.
+    reader, _ = flat_reader(tiny_dir, prompt_cache_gb=400 * 1024 / 2**30, prefill_chunk=48)
+    long = spec_for(tokenizer, LONG_STATE, "q1: yes", [42])
+    short = spec_for(tokenizer, "short", "q1: yes", [5])
+
+    async def scenario():
+        await reader.start()
+        try:
+            return await asyncio.gather(reader.read([long]), reader.read([short]), return_exceptions=True)
+        finally:
+            await reader.stop()
+
+    failed, answered = asyncio.run(scenario())
+    assert isinstance(failed, EngineUnavailable) and "KV store is full" in str(failed)
+    assert not isinstance(answered, Exception) and len(answered[0].slots) == 1
+    assert reader.runner.flat.store.stats["store_full"] >= 1
+
+
+def test_a_failed_turn_fails_its_jobs_and_the_next_turn_runs(tiny_dir, tokenizer):
+    reader, _ = flat_reader(tiny_dir)
+    forward = reader.runner.flat.forward
+    calls = []
+
+    def broken_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the model fell over")
+        return forward(*args)
+
+    reader.runner.flat.turn.forward = broken_once
+
+    async def scenario():
+        await reader.start()
+        try:
+            with pytest.raises(EngineError, match="the model fell over"):
+                await reader.read([spec_for(tokenizer, "first", "q1: yes", [5])])
+            return await reader.read([spec_for(tokenizer, "second", "q1: yes", [5])])
+        finally:
+            await reader.stop()
+
+    (second,) = asyncio.run(scenario())
+    assert len(second.slots) == 1
+
+
+def test_a_generation_streams_a_pass_a_turn_beside_reads(tiny_dir, tokenizer):
+    reader, turns = flat_reader(tiny_dir, prefill_chunk=48)
+    prompt = Prompt(tuple(tokenizer.render_chat("Think.", LONG_STATE, 0, thinking=True)))
+    spec = GenerateSpec(prompt, 20, (), seed=3, temperature=0.0)
+    expected = make_tiny_reader(tiny_dir).runner.generate(spec, 128)
+
+    async def scenario():
+        await reader.start()
+        try:
+            chunks = []
+            stream = reader.stream(spec)
+            read = asyncio.create_task(reader.read([spec_for(tokenizer, "beside", "q1: yes", [5])]))
+            async for chunk in stream:
+                chunks.append(chunk)
+            await read
+            return chunks, read.done()
+        finally:
+            await reader.stop()
+
+    chunks, read_done = asyncio.run(scenario())
+    assert read_done and chunks[-1].done
+    assert tuple(token for chunk in chunks for token in chunk.ids) == expected.ids
+    assert max(turns) <= BUDGET
