@@ -646,33 +646,49 @@ async def run_inprocess(services: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # The hf runner's stages the stage timer times (each call's wall time between two device syncs).
-STAGES = ("read_steps", "encode_many", "image_features", "_encode_embeds", "_encode_over_prefixes",
-          "_over_image_prefixes", "decoder_hidden", "_slot_reads")
+# The hf runner's stages, by the path of each timed method from the runner: the row path's, or with
+# FLAT_TURN=1 the flat turn's (a turn's step; in it, the programs' preparation with the vision tower,
+# the one forward, its attention by segment; then the slot reads).
+ROW_STAGES = ("read_steps", "encode_many", "image_features", "_encode_embeds", "_encode_over_prefixes",
+              "_over_image_prefixes", "decoder_hidden", "_slot_reads")
+FLAT_STAGES = ("flat.step", "image_features", "flat.turn.forward", "flat.attention.attend", "slot_reads_at")
 
 
 class StageTimer:
     """Times the hf runner's stages while it is installed: each wrapped method synchronises the device
     before and after, so a stage's milliseconds are its device time (and the wrapped run is slower by
     the syncs: the stage shares are what it is for, not the rate). `read_steps` (a generator) is timed
-    over its whole life: a turn's, or a heavy read's, time."""
+    over its whole life: a turn's, or a heavy read's, time. The stages are the row path's or the flat
+    turn's, as the runner runs (`names`): never a stage that no longer runs."""
 
     def __init__(self, runner: Any) -> None:
         from bench.common import device_sync
 
         self.runner = runner
         self.sync = device_sync(runner.device)
-        self.ms: dict[str, float] = {name: 0.0 for name in STAGES}
-        self.calls: dict[str, int] = {name: 0 for name in STAGES}
-        self.rows: dict[str, int] = {name: 0 for name in STAGES}
+        self.names = FLAT_STAGES if getattr(runner, "flat", None) is not None else ROW_STAGES
+        self.ms: dict[str, float] = {name: 0.0 for name in self.names}
+        self.calls: dict[str, int] = {name: 0 for name in self.names}
+        self.rows: dict[str, int] = {name: 0 for name in self.names}
+
+    def _owner(self, name: str) -> tuple[Any, str]:
+        """The object that holds a stage's method, and the method's name on it."""
+        *path, attribute = name.split(".")
+        owner = self.runner
+        for part in path:
+            owner = getattr(owner, part)
+        return owner, attribute
 
     def __enter__(self) -> "StageTimer":
-        for name in STAGES:
-            setattr(self.runner, name, self._timed(name, getattr(self.runner, name)))
+        for name in self.names:
+            owner, attribute = self._owner(name)
+            setattr(owner, attribute, self._timed(name, getattr(owner, attribute)))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name in STAGES:
-            self.runner.__dict__.pop(name, None)
+        for name in self.names:
+            owner, attribute = self._owner(name)
+            owner.__dict__.pop(attribute, None)
 
     def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -702,7 +718,7 @@ class StageTimer:
         return {name: {"calls": self.calls[name], "ms": round(self.ms[name], 1),
                        "ms_a_call": round(self.ms[name] / self.calls[name], 2) if self.calls[name] else None,
                        "rows_a_call": round(self.rows[name] / self.calls[name], 1) if self.calls[name] else None,
-                       "share": round(self.ms[name] / 1000 / seconds, 3)} for name in STAGES}
+                       "share": round(self.ms[name] / 1000 / seconds, 3)} for name in self.names}
 
 
 def bench_routes() -> list[Any]:
