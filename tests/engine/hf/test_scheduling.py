@@ -45,6 +45,7 @@ class FakeRunner:
         self.lock = threading.Lock()
         self.fail_tag: int | None = None
         self.crash = False
+        self.flat = None  # the row path's turns (the flat turn's have tests/engine/hf/flat/test_reader.py)
         self.allocations = [0, 0]  # (device allocations, retries) as the allocator would count them
         self.retries_a_read = 0
 
