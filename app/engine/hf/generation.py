@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generator, cast
 
 import torch
 
-from app.engine.base import CacheKey, EngineInputError, GenerateChunk, GenerateResult, GenerateSpec, Prompt
+from app.engine.base import CacheKey, GenerateChunk, GenerateResult, GenerateSpec, Prompt
+from app.engine.hf.generation_state import Block, Generation, check_spec
 from app.engine.hf.prompts import EncodedPrompt, Preprocessed, PromptCache, cache_kv
 from app.engine.hf.sampler import sample_step, temperature_at
 
@@ -31,18 +31,8 @@ if TYPE_CHECKING:
     from transformers.cache_utils import DynamicCache
 
     from app.engine.hf.flat.engine import FlatEngine
+    from app.engine.hf.flat.host import Host
     from app.engine.hf.graphs.decoder import DecoderGraphs
-    from app.engine.hf.runner import DiffusionRunner
-
-
-def check_spec(spec: GenerateSpec) -> None:
-    """The request's sampler fields, as the row path checks them (a 400 naming the field)."""
-    if not (math.isfinite(spec.temperature) and spec.temperature >= 0.0):
-        raise EngineInputError(f"temperature must be a number >= 0, got {spec.temperature}", param="temperature")
-    if not (math.isfinite(spec.top_p) and 0.0 < spec.top_p <= 1.0):
-        raise EngineInputError(f"top_p must be in (0, 1], got {spec.top_p}", param="top_p")
-    if spec.max_tokens < 0:
-        raise EngineInputError(f"max_tokens must be >= 0, got {spec.max_tokens}", param="max_tokens")
 
 
 class GenerationMixin:
@@ -77,7 +67,7 @@ class GenerationMixin:
 
     def start_generation(
         self, spec: GenerateSpec, canvas_length: int, preprocessed: Preprocessed | None = None,
-    ) -> "Generation":
+    ) -> Generation:
         """`start_steps` run to its end, in one call (tests and benches; the engine steps it)."""
         steps = self.start_steps(spec, canvas_length, preprocessed)
         while True:
@@ -88,7 +78,7 @@ class GenerationMixin:
 
     def start_steps(
         self, spec: GenerateSpec, canvas_length: int, preprocessed: Preprocessed | None = None,
-    ) -> Generator[None, None, "Generation"]:
+    ) -> Generator[None, None, Generation]:
         """A generation ready to step, its prompt encoded into a KV cache of its own that generation
         extends block by block, as a stepwise generator like `read_steps`: a prompt of more than
         `prefill_chunk` tokens is encoded in chunks like a read's (`encode_steps`, a yield between two),
@@ -98,7 +88,7 @@ class GenerationMixin:
         if self.flat is not None:
             from app.engine.hf.flat.generate import GenerateProgram
 
-            program = GenerateProgram(cast("DiffusionRunner", self), spec, canvas_length, preprocessed)
+            program = GenerateProgram(cast("Host", self), spec, canvas_length, preprocessed)
             return (yield from self.flat.start_generation(program))
         check_spec(spec)
         if self.needs_chunks(spec.prompt) or spec.prompt.cache_key in self.prompts:
@@ -113,7 +103,7 @@ class GenerationMixin:
                           prompt_tokens=length, generator=generator, stop=frozenset(spec.stop_ids))
 
     @torch.no_grad()
-    def step_generation(self, gen: "Generation") -> GenerateChunk | None:
+    def step_generation(self, gen: Generation) -> GenerateChunk | None:
         """Exactly one model pass of `gen`: a denoise pass of its current block, or, right after a
         block finished, that block's commit through the encoder (its own step, returning None).
         Returns a chunk when the pass committed tokens or ended the generation, else None."""
@@ -133,7 +123,7 @@ class GenerationMixin:
         block_ids = self._denoise_pass(gen, block)
         return None if block_ids is None else self.end_block(gen, block_ids)
 
-    def next_block(self, gen: "Generation") -> "_Block":
+    def next_block(self, gen: Generation) -> Block:
         """The block `gen` is denoising: a new random canvas when it has none, as wide as the tokens
         still wanted (in steps of 16), at most its canvas length."""
         if gen.block is None:
@@ -142,7 +132,7 @@ class GenerationMixin:
             gen.block = self._new_block(gen, width)
         return gen.block
 
-    def end_block(self, gen: "Generation", block_ids: list[int]) -> GenerateChunk:
+    def end_block(self, gen: Generation, block_ids: list[int]) -> GenerateChunk:
         """A finished block's ids taken up to a stop id and `max_tokens`: the chunk it gives, and the
         block left to commit unless the generation is done."""
         remaining_tokens = gen.spec.max_tokens - len(gen.produced)
@@ -173,13 +163,13 @@ class GenerationMixin:
                 return GenerateResult(ids=tuple(ids), stopped=chunk.stopped, prompt_tokens=chunk.prompt_tokens,
                                       passes=chunk.passes)
 
-    def _new_block(self, gen: "Generation", width: int) -> "_Block":
+    def _new_block(self, gen: Generation, width: int) -> Block:
         canvas = torch.randint(0, self.vocab_size, (1, width), generator=gen.generator, device=self.device)
         positions = (gen.length + torch.arange(width, device=self.device)).unsqueeze(0)
         steps = int(self.generation["max_denoising_steps"])
-        return _Block(canvas=canvas, positions=positions, steps=steps, remaining=steps)
+        return Block(canvas=canvas, positions=positions, steps=steps, remaining=steps)
 
-    def _denoise_pass(self, gen: "Generation", block: "_Block") -> list[int] | None:
+    def _denoise_pass(self, gen: Generation, block: Block) -> list[int] | None:
         """One decoder pass and sampler step over `block`; its argmax ids once it is stable and
         confident or out of steps, else None."""
         assert gen.cache is not None, "a generation of the row path"
@@ -198,7 +188,7 @@ class GenerationMixin:
             ).last_hidden_state
         return self.sample_pass(gen, block, hidden)
 
-    def sample_pass(self, gen: "Generation", block: "_Block", hidden: torch.Tensor) -> list[int] | None:
+    def sample_pass(self, gen: Generation, block: Block, hidden: torch.Tensor) -> list[int] | None:
         """The sampler step after a decoder pass over `block` (its hidden states [1, width, H]): the
         block's next canvas and self-conditioning; its argmax ids once it is stable and confident or
         out of steps, else None."""
@@ -221,7 +211,7 @@ class GenerationMixin:
             finished = finished or float(step.entropy.mean()) < settings["confidence_threshold"]
         return [int(t) for t in step.argmax.tolist()] if finished else None
 
-    def _commit(self, gen: "Generation", block_ids: list[int]) -> None:
+    def _commit(self, gen: Generation, block_ids: list[int]) -> None:
         """Encode a finished block into the generation's cache: the next block reads it as prompt."""
         assert gen.cache is not None, "a generation of the row path"
         width = len(block_ids)
@@ -230,34 +220,3 @@ class GenerationMixin:
         self.model.model.encoder(input_ids=ids, past_key_values=gen.cache, position_ids=positions)
         self.stats["encoder_passes"] += 1
         gen.length += width
-
-
-@dataclass
-class _Block:
-    """The block a generation is denoising."""
-
-    canvas: torch.Tensor  # [1, width] the current noisy canvas
-    positions: torch.Tensor  # [1, width]
-    steps: int  # the step cap (the temperature schedule runs over it)
-    remaining: int  # steps left, counting down
-    conditioning: torch.Tensor | None = None  # the previous pass's processed logits
-    history: list[torch.Tensor] = field(default_factory=list)  # the last argmax canvases
-
-
-@dataclass
-class Generation:
-    """A generation in flight, stepped by `DiffusionRunner.step_generation`. Dropping it frees its
-    cache; nothing else refers to it."""
-
-    spec: GenerateSpec
-    canvas_length: int
-    cache: DynamicCache | None  # the prompt's KV, then every committed block's (None: the flat turn's store holds it)
-    length: int  # tokens in `cache`
-    prompt_tokens: int
-    generator: torch.Generator
-    stop: frozenset[int]
-    produced: list[int] = field(default_factory=list)
-    passes: int = 0  # denoise passes so far
-    block: _Block | None = None
-    pending: list[int] | None = None  # a finished block's ids, committed by the next step
-    done: bool = False

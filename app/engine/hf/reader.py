@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from app.engine.hf.flat.engine import TurnReport
     from app.engine.hf.flat.generate import GenerateProgram
     from app.engine.hf.flat.reads import ReadProgram
-    from app.engine.hf.generation import Generation
+    from app.engine.hf.generation_state import Generation
     from app.engine.hf.prompts import Preprocessed, ProcessedImages
     from app.engine.hf.runner import DiffusionRunner
 

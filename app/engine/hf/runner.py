@@ -326,6 +326,12 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         return output.last_hidden_state
 
     @property
+    def image_token_id(self) -> int:
+        """The id an image's soft tokens carry in a prompt (-1 for a model without images)."""
+        token = self.config.image_token_id
+        return -1 if token is None else int(token)
+
+    @property
     def pad_id(self) -> int:
         """The id that pads canvases and left-pads prompts in a batch: the text config's pad_token_id
         (0 where it has none)."""

@@ -24,9 +24,9 @@ from app.engine.hf.parts import encoder_layers, layer_types, text_config
 if TYPE_CHECKING:
     from app.engine.base import GenerateChunk, Prompt
     from app.engine.hf.flat.generate import GenerateProgram
-    from app.engine.hf.generation import Generation
+    from app.engine.hf.flat.host import Host
+    from app.engine.hf.generation_state import Generation
     from app.engine.hf.prompts import Preprocessed
-    from app.engine.hf.runner import DiffusionRunner
 
 # The fewest tokens a turn may hold: a widest canvas and an image beside a prompt's chunk.
 MIN_TURN_TOKENS = 1024
@@ -75,7 +75,7 @@ class TurnReport:
 class FlatEngine:
     """The store, attention, forward and turn of one model, and the step that drives them."""
 
-    def __init__(self, runner: DiffusionRunner, *, budget: int, store_bytes: int) -> None:
+    def __init__(self, runner: Host, *, budget: int, store_bytes: int) -> None:
         model = runner.model
         shapes = []
         for layer, kind in zip(encoder_layers(model), layer_types(model)):

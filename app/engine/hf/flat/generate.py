@@ -14,21 +14,21 @@ from typing import TYPE_CHECKING
 from app.engine.base import GenerateChunk, GenerateSpec
 from app.engine.hf.flat.layout import Kind
 from app.engine.hf.flat.turn import Part
-from app.engine.hf.generation import Generation, check_spec
+from app.engine.hf.generation_state import Generation, check_spec
 from app.engine.hf.prompts import chunk_length
 
 if TYPE_CHECKING:
     from app.engine.hf.flat.blocks import KVStore
+    from app.engine.hf.flat.host import Host
     from app.engine.hf.flat.prompts import PromptState
     from app.engine.hf.prompts import Preprocessed
-    from app.engine.hf.runner import DiffusionRunner
 
 
 class GenerateProgram:
     """One generation, stepped by the flat engine: `prompts` to prepare, then `parts` and `take` once a
     turn; each turn's `chunks` for its caller; an `error` ends it."""
 
-    def __init__(self, runner: DiffusionRunner, spec: GenerateSpec, canvas_length: int,
+    def __init__(self, runner: Host, spec: GenerateSpec, canvas_length: int,
                  preprocessed: Preprocessed | None) -> None:
         check_spec(spec)
         self.runner = runner

@@ -21,8 +21,8 @@ from app.engine.hf.flat.turn import Part
 
 if TYPE_CHECKING:
     from app.engine.hf.flat.blocks import KVStore, SequenceKV
+    from app.engine.hf.flat.host import Host
     from app.engine.hf.prompts import Preprocessed
-    from app.engine.hf.runner import DiffusionRunner
 
 
 @dataclass(eq=False)
@@ -80,7 +80,7 @@ class PromptState:
         return self.chunk(store, len(ids), len(ids))
 
 
-def prepare(runner: DiffusionRunner, store: KVStore, prompts: Sequence[Prompt],
+def prepare(runner: Host, store: KVStore, prompts: Sequence[Prompt],
             preprocessed: Preprocessed | None) -> list[PromptState]:
     """The prompts' states, each with its sequence opened in `store` (its cached prefix shared); a
     prompt that cannot be read gets its `error` (too long, an image that does not decode)."""
@@ -102,7 +102,7 @@ def prepare(runner: DiffusionRunner, store: KVStore, prompts: Sequence[Prompt],
     for state, inputs in images:
         state.ids = [int(token) for token in inputs["input_ids"][0].tolist()]
         state.embeds = runner.input_embeds(inputs)
-    image_token = int(runner.config.image_token_id or -1)
+    image_token = runner.image_token_id
     for state in states:
         if state.error is not None:
             continue

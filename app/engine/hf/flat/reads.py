@@ -23,9 +23,9 @@ from app.engine.hf.sampler import temperature_at
 
 if TYPE_CHECKING:
     from app.engine.hf.flat.blocks import KVStore
+    from app.engine.hf.flat.host import Host
     from app.engine.hf.flat.prompts import PromptState
     from app.engine.hf.prompts import Preprocessed
-    from app.engine.hf.runner import DiffusionRunner
 
 # A read's prompt blocks stay pinned this long after it ends: a decision's gated stage, which extends
 # its first stage's prompt, comes a turn or two later and must find them under memory pressure.
@@ -50,7 +50,7 @@ class ReadProgram:
     """The reads of one job, stepped by the flat engine: `prompts` to prepare, then `parts` and `take`
     once a turn until `done`; `outcomes` in the order of the specs."""
 
-    def __init__(self, runner: DiffusionRunner, specs: Sequence[ReadSpec], preprocessed: Preprocessed | None) -> None:
+    def __init__(self, runner: Host, specs: Sequence[ReadSpec], preprocessed: Preprocessed | None) -> None:
         self.runner = runner
         self.specs = list(specs)
         self.preprocessed = preprocessed
