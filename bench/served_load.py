@@ -680,15 +680,21 @@ class StageTimer:
         return owner, attribute
 
     def __enter__(self) -> "StageTimer":
+        self.saved: list[tuple[Any, str, Any]] = []  # (owner, attribute, what its own __dict__ held, or None)
         for name in self.names:
             owner, attribute = self._owner(name)
+            self.saved.append((owner, attribute, owner.__dict__.get(attribute)))
             setattr(owner, attribute, self._timed(name, getattr(owner, attribute)))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name in self.names:
-            owner, attribute = self._owner(name)
-            owner.__dict__.pop(attribute, None)
+        # A method of the class comes back by dropping the wrapper; an attribute of the object (the
+        # flat turn's forward) by putting it back.
+        for owner, attribute, own in reversed(self.saved):
+            if own is None:
+                owner.__dict__.pop(attribute, None)
+            else:
+                setattr(owner, attribute, own)
 
     def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:

@@ -102,6 +102,8 @@ class ReadProgram:
                 break
             parts.append(part)
             room -= part.tokens
+            if state.length > chunk:  # a long prompt's chunk (the row path's counter, for the benches)
+                self.runner.stats["encoder_chunks"] += 1
         planned = sum(1 for row in self.rows if row.planned is not None)
         for row in self.rows:
             spec = self.specs[row.spec]
