@@ -107,10 +107,10 @@ class GenerationMixin:
         """Exactly one model pass of `gen`: a denoise pass of its current block, or, right after a
         block finished, that block's commit through the encoder (its own step, returning None).
         Returns a chunk when the pass committed tokens or ended the generation, else None."""
+        if gen.cache is None and self.flat is not None:  # a generation of the flat turn
+            return self.flat.step_generation(gen)
         if gen.done:
             raise RuntimeError("this generation has finished")
-        if gen.cache is None and self.flat is not None:
-            return self.flat.step_generation(gen)
         if gen.pending is not None:
             self._commit(gen, gen.pending)
             self.finish_turn()  # its own turn: nothing reads the commit back, so wait for it here
@@ -186,6 +186,8 @@ class GenerationMixin:
                 decoder_position_ids=block.positions,
                 self_conditioning_logits=block.conditioning,
             ).last_hidden_state
+        self.stats["decoder_passes"] += 1
+        self.stats["generation_passes"] += 1
         return self.sample_pass(gen, block, hidden)
 
     def sample_pass(self, gen: Generation, block: Block, hidden: torch.Tensor) -> list[int] | None:
@@ -193,8 +195,6 @@ class GenerationMixin:
         block's next canvas and self-conditioning; its argmax ids once it is stable and confident or
         out of steps, else None."""
         settings = self.generation
-        self.stats["decoder_passes"] += 1
-        self.stats["generation_passes"] += 1
         gen.passes += 1
         temperature = gen.spec.temperature * temperature_at(block.remaining, block.steps, settings["t_min"],
                                                             settings["t_max"])

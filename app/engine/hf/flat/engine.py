@@ -126,6 +126,11 @@ class FlatEngine:
             runner.stats["flat_turns"] += 1
             runner.stats["flat_prompt_tokens"] += counts[Kind.PROMPT]
             runner.stats["flat_canvas_tokens"] += counts[Kind.CANVAS]
+            # The row path's pass counters (dashboards and the served bench read them): a turn that
+            # wrote prompt KV is an encoder pass, one that read canvases a decoder pass of that many rows.
+            runner.stats["encoder_passes"] += 1 if counts[Kind.PROMPT] else 0
+            runner.stats["decoder_passes"] += 1 if canvases else 0
+            runner.stats["decoder_rows"] += canvases
         for entry in queue:
             if entry.work.done:
                 self.release(entry.work)
@@ -182,7 +187,7 @@ class FlatEngine:
                 raise program.error
             state, gen = program.state, program.gen
             assert state is not None and state.sequence is not None and gen is not None
-            if state.sequence.written >= state.length:
+            if state.sequence.written >= state.length or program.done:  # (max_tokens 0: done at once)
                 self.generations[id(gen)] = program
                 self.waiting[id(gen)] = list(program.chunks)
                 return gen
@@ -192,10 +197,12 @@ class FlatEngine:
 
     def step_generation(self, gen: Generation) -> GenerateChunk | None:
         """One turn of a generation that `start_generation` began: the chunk it gave, if any."""
-        program = self.generations[id(gen)]
+        program = self.generations.get(id(gen))
         waiting = self.waiting.get(id(gen))
         if waiting:  # a pass that rode the prompt's last turn gave this already
             return waiting.pop(0)
+        if program is None or program.done:
+            raise RuntimeError("this generation has finished")
         program.chunks = []
         self.step([Solo(program)])
         if program.error is not None:

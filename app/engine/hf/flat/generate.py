@@ -116,12 +116,12 @@ class GenerateProgram:
             gen.length += self.commit.tokens
             gen.pending = None
             self.commit = None
-            self.runner.stats["encoder_passes"] += 1
         if self.canvas is None:
             return
         hidden = self.canvas.hidden
         assert hidden is not None and gen.block is not None
         self.canvas = None
+        self.runner.stats["generation_passes"] += 1
         block_ids = self.runner.sample_pass(gen, gen.block, hidden[None])
         if block_ids is not None:
             self.chunks.append(self.runner.end_block(gen, block_ids))

@@ -109,6 +109,10 @@ def prepare(runner: Host, store: KVStore, prompts: Sequence[Prompt],
         state.keys, state.images = token_keys(state.ids, state.prompt.cache_key[1], image_token)
         state.sequence = store.open(state.keys)
         state.planned = state.sequence.written
+        # The row path's prompt-cache counters: a hit when every whole block came from the store (only
+        # a partial last block is written again).
+        whole = state.length - state.length % store.block_tokens
+        runner.stats["kv_hits" if state.sequence.cached >= whole > 0 else "kv_misses"] += 1
     return states
 
 
