@@ -9,7 +9,7 @@ from tests.engine.hf.test_reader import spec_for
 
 
 def test_the_row_path_times_its_passes(tiny_dir, tokenizer):
-    runner = make_tiny_reader(tiny_dir).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False).runner
     with StageTimer(runner) as timer:
         runner.read([spec_for(tokenizer, "a state", "q1: yes", [5, 6])])
     summary = timer.summary(1.0)

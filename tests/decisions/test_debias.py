@@ -36,7 +36,7 @@ from app.decisions.estimate import QuestionEstimate
 from app.decisions.questions import CHOICE, NOUL, SCORE, Alternative, Question
 from app.decisions.request import parse_decision
 from app.decisions.run import Decider
-from tests.conftest import LIMITS
+from tests.conftest import LIMITS, REPEAT_TOLERANCE, close
 from tests.fakes import ScriptedReader
 
 
@@ -349,9 +349,9 @@ def test_the_prior_is_read_once_per_sheet(tiny_reader):
 def test_off_is_todays_decision(tiny_reader):
     (plain, _), (explicit, _) = run_on(tiny_reader, [one_choice(TEAMS, samples=2, **extra)
                                                      for extra in ({}, {"debias": "off"})])
-    assert plain.answers == explicit.answers and "debias" not in plain.diagnostics
-    assert {k: v for k, v in plain.diagnostics.items() if k != "timing"} == \
-        {k: v for k, v in explicit.diagnostics.items() if k != "timing"}
+    assert close(plain.answers, explicit.answers) and "debias" not in plain.diagnostics
+    assert close({k: v for k, v in plain.diagnostics.items() if k != "timing"},
+                 {k: v for k, v in explicit.diagnostics.items() if k != "timing"})
 
 
 # ------------------------------------------------------------------ composition (scripted reader)
@@ -521,12 +521,12 @@ def one_score(levels: list[str], **extra) -> dict:
             "samples": 1, **extra}
 
 
-def mirrored(first: dict, second: dict, n: int) -> None:
+def mirrored(first: dict, second: dict, n: int, tolerance: float = 1e-6) -> None:
     """Two score answers over a scale and its reverse say the same of every level."""
     for i in range(n):
-        assert first["probabilities"][str(i)] == pytest.approx(second["probabilities"][str(n - 1 - i)], abs=1e-6)
-    assert first["score"] + second["score"] == pytest.approx(n - 1, abs=1e-6)
-    assert first["confidence"] == pytest.approx(second["confidence"], abs=1e-6)
+        assert first["probabilities"][str(i)] == pytest.approx(second["probabilities"][str(n - 1 - i)], abs=tolerance)
+    assert first["score"] + second["score"] == pytest.approx(n - 1, abs=tolerance)
+    assert first["confidence"] == pytest.approx(second["confidence"], abs=tolerance)
 
 
 def test_canonical_reads_a_reversed_scale_alike_and_maps_it_back(tokenizer):
@@ -558,7 +558,9 @@ def test_canonical_mirrors_a_reversed_scale_on_the_tiny_model(tiny_reader):
     levels = ["mild", "annoyed", "angry", "furious"]  # ["furious", "angry", "annoyed", "mild"] sorts first
     (sent, _), (reversed_, _) = run_on(tiny_reader, [one_score(levels, debias="canonical"),
                                                      one_score(levels[::-1], debias="canonical")])
-    mirrored(sent.answers["s"], reversed_.answers["s"], 4)
+    # Both read one sheet, the second from the KV store: the row path in a pass of the same shape (1e-6),
+    # the flat turn in a turn of another (REPEAT_TOLERANCE).
+    mirrored(sent.answers["s"], reversed_.answers["s"], 4, 1e-6 if tiny_reader.runner.flat is None else REPEAT_TOLERANCE)
     assert sent.diagnostics["debias"]["reversed_scales"] == ["s"]
     assert reversed_.diagnostics["debias"]["reversed_scales"] == []
     assert tiny_reader.stats["kv_misses"] == 1  # one sheet: both read the same prompt

@@ -39,13 +39,13 @@ def test_a_long_prompt_encoded_in_chunks_reads_as_encoded_whole(tiny_dir, eager_
     spec = long_spec(tokenizer)
     assert len(spec.prompt.ids) > 4 * 64  # well past the sliding window
     whole = eager_runner.encode_many([spec.prompt])[0]
-    runner = make_tiny_reader(tiny_dir, prefill_chunk=chunk).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False, prefill_chunk=chunk).runner
     assert runner.needs_chunks(spec.prompt)
     chunked = run_steps(runner.encode_steps(spec.prompt))
     assert_same_kv(whole, chunked)
     assert runner.stats["encoder_chunks"] == -(-len(spec.prompt.ids) // chunk)
     assert not runner.needs_chunks(spec.prompt)  # now in the LRU: a warm read is a decoder pass
-    reader = make_tiny_reader(tiny_dir, prefill_chunk=chunk).runner
+    reader = make_tiny_reader(tiny_dir, flat_turn=False, prefill_chunk=chunk).runner
     assert_same_reads(eager_runner.read([spec]), reader.read([spec]))
     assert reader.stats["encoder_chunks"] > 1
 
@@ -55,7 +55,7 @@ def test_an_image_ahead_of_a_long_text_is_encoded_in_chunks_the_same(tiny_dir, e
     frame = (ImageInput(jpeg((120, 30, 200)), "image/jpeg", "frame"),)
     prompt = Prompt(tuple(tokenizer.render_chat("Look.", LONG_STATE, 1, False)), frame)
     whole = eager_runner.encode_many([prompt])[0]
-    runner = make_tiny_reader(tiny_dir, prefill_chunk=40).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False, prefill_chunk=40).runner
     chunked = run_steps(runner.encode_steps(prompt))
     assert chunked.length == whole.length > len(prompt.ids)  # the soft tokens expanded, then chunked
     assert_same_kv(whole, chunked)
@@ -63,7 +63,7 @@ def test_an_image_ahead_of_a_long_text_is_encoded_in_chunks_the_same(tiny_dir, e
 
 
 def test_a_prompt_past_the_limit_is_refused_before_any_chunk(tiny_dir, tokenizer):
-    runner = make_tiny_reader(tiny_dir, prefill_chunk=16, max_prompt_tokens=200).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False, prefill_chunk=16, max_prompt_tokens=200).runner
     spec = long_spec(tokenizer)
     assert len(spec.prompt.ids) > 200 and not runner.needs_chunks(spec.prompt)
     (result,) = runner.read([spec])
@@ -74,7 +74,7 @@ def test_a_prompt_past_the_limit_is_refused_before_any_chunk(tiny_dir, tokenizer
 def test_the_chunks_of_a_long_read_take_turns_with_short_reads(tiny_dir, tokenizer):
     """Through the reader: a long prompt's chunks are heavy turns; short reads arriving meanwhile are
     answered between them, long before the long read ends."""
-    reader = make_tiny_reader(tiny_dir, prefill_chunk=48)
+    reader = make_tiny_reader(tiny_dir, flat_turn=False, prefill_chunk=48)
     long = long_spec(tokenizer)
     chunks = -(-len(long.prompt.ids) // 48)
     order: list[str] = []
@@ -106,7 +106,7 @@ def test_a_slow_turn_names_the_step_it_ran(tiny_dir, tokenizer, monkeypatch, cap
     import app.engine.hf.reader as reader_module
 
     monkeypatch.setattr(reader_module, "SLOW_TURN_S", 0.0)  # every turn is "slow": each says its step
-    reader = make_tiny_reader(tiny_dir, prefill_chunk=48)
+    reader = make_tiny_reader(tiny_dir, flat_turn=False, prefill_chunk=48)
     long = long_spec(tokenizer)
 
     async def scenario():
@@ -153,9 +153,9 @@ def test_the_prompt_lru_is_bounded_in_bytes_and_evicts_the_oldest_first():
 def test_long_states_kv_is_kept_within_prompt_cache_gb(tiny_dir, tokenizer):
     """The runner's prompt LRU holds at most PROMPT_CACHE_GB of KV: on the tiny model a bound of two
     long states' KV keeps the last two."""
-    probe = make_tiny_reader(tiny_dir, prefill_chunk=64).runner
+    probe = make_tiny_reader(tiny_dir, flat_turn=False, prefill_chunk=64).runner
     one = run_steps(probe.encode_steps(long_spec(tokenizer).prompt)).nbytes
-    runner = make_tiny_reader(tiny_dir, prefill_chunk=64, prompt_cache_gb=2.5 * one / 2**30).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False, prefill_chunk=64, prompt_cache_gb=2.5 * one / 2**30).runner
     prompts = [long_spec(tokenizer, LONG_STATE + f" variant {n}").prompt for n in range(4)]
     for prompt in prompts:
         run_steps(runner.encode_steps(prompt))
@@ -169,7 +169,7 @@ def test_the_prompt_limit_is_sized_to_the_free_memory_on_cuda_and_32768_elsewher
     from app.engine.hf.loader import GRAPH_RESERVE_BYTES, LONG_PROMPT_MARGIN, prompt_kv_bytes
     from app.engine.hf.loader import sized_prompt_limit as prompt_limit
 
-    model = make_tiny_reader(tiny_dir).runner.model
+    model = make_tiny_reader(tiny_dir, flat_turn=False).runner.model
     cpu = torch.device("cpu")
     assert prompt_limit(model, cpu, 0) == 32768 and prompt_limit(model, cpu, 5000) == 5000
     assert prompt_kv_bytes(model, 4000) < 2 * prompt_kv_bytes(model, 2000)  # the sliding layers keep a window
@@ -241,7 +241,7 @@ def test_chunks_shorten_as_the_prompt_grows_and_cover_it_exactly():
 def test_a_chunked_prompt_keeps_its_full_attention_kv_in_its_own_buffers(tiny_dir, tokenizer):
     """No copy at the end and no oversized buffers: each full-attention layer's keys fill a
     token-major buffer of exactly the prompt's length."""
-    runner = make_tiny_reader(tiny_dir, prefill_chunk=48).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False, prefill_chunk=48).runner
     spec = long_spec(tokenizer)
     encoded = run_steps(runner.encode_steps(spec.prompt))
     full = [keys for keys, _ in encoded.layers if keys.shape[2] == encoded.length]
@@ -273,7 +273,7 @@ def test_only_long_uncached_prompts_count_against_a_batchs_encoding(tiny_dir):
     """`long_encoding`: a prompt over half of PREFILL_CHUNK and not in the LRU counts its tokens
     (a read batch holds PREFILL_CHUNK of them); a shorter one (a ticket, a walk frame over its sheet)
     counts nothing, nor does one already encoded."""
-    runner = make_tiny_reader(tiny_dir, prefill_chunk=64).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False, prefill_chunk=64).runner
     short, long = Prompt(tuple(range(100, 132))), Prompt(tuple(range(100, 160)))
     assert runner.long_encoding(short) == 0 and runner.long_encoding(long) == 60
     runner.encode_many([long])
@@ -290,8 +290,8 @@ def long_generation(tokenizer, max_tokens: int = 40):
 @torch.no_grad()
 def test_a_generations_long_prompt_is_encoded_in_chunks_and_generates_as_encoded_whole(tiny_dir, tokenizer):
     spec = long_generation(tokenizer)
-    whole = make_tiny_reader(tiny_dir).runner  # PREFILL_CHUNK's default: one pass
-    chunked = make_tiny_reader(tiny_dir, prefill_chunk=48).runner
+    whole = make_tiny_reader(tiny_dir, flat_turn=False).runner  # PREFILL_CHUNK's default: one pass
+    chunked = make_tiny_reader(tiny_dir, flat_turn=False, prefill_chunk=48).runner
     assert not whole.needs_chunks(spec.prompt) and chunked.needs_chunks(spec.prompt)
     assert whole.generate(spec, 32).ids == chunked.generate(spec, 32).ids
     assert chunked.stats["encoder_chunks"] == -(-len(spec.prompt.ids) // 48)
@@ -304,7 +304,7 @@ def test_a_generations_long_prompt_is_encoded_in_chunks_and_generates_as_encoded
 def test_no_generation_turn_encodes_more_than_prefill_chunk_tokens(tiny_dir, tokenizer):
     """Through the reader: a generation's long prompt takes a chunk a turn, like a read's, and a short
     read sent meanwhile is answered before the generation's prompt is encoded."""
-    reader = make_tiny_reader(tiny_dir, prefill_chunk=48)
+    reader = make_tiny_reader(tiny_dir, flat_turn=False, prefill_chunk=48)
     runner = reader.runner
     spec = long_generation(tokenizer, max_tokens=20)
     encoded: list[int] = []  # tokens through the encoder in the turn running now

@@ -30,7 +30,7 @@ def logprobs(results):
 def test_the_split_layers_read_what_the_library_layers_read(tiny_dir, tokenizer):
     from app.engine.hf import layers
 
-    library, split = make_tiny_reader(tiny_dir).runner, make_tiny_reader(tiny_dir).runner
+    library, split = make_tiny_reader(tiny_dir, flat_turn=False).runner, make_tiny_reader(tiny_dir, flat_turn=False).runner
     specs = [spec_for(tokenizer, "state one", "q1: yes\nq2: no", [42, 7]),
              spec_for(tokenizer, "another state, longer than the first", "q1: yes", [5], steps=2, seed=3)]
     layers.install(compiled.model_layers(split.model))
@@ -86,7 +86,7 @@ def test_compiled_layers_read_exactly_what_the_eager_split_layers_read(tiny_dir,
 
     from app.engine.hf import layers as split_layers
 
-    eager, runner = make_tiny_reader(tiny_dir).runner, make_tiny_reader(tiny_dir).runner
+    eager, runner = make_tiny_reader(tiny_dir, flat_turn=False).runner, make_tiny_reader(tiny_dir, flat_turn=False).runner
     specs = [spec_for(tokenizer, "state one", "q1: yes\nq2: no", [42, 7]),
              spec_for(tokenizer, "another state, longer than the first", "q1: yes", [5], steps=2, seed=3)]
     split_layers.install(compiled.model_layers(eager.model))  # the split forward, eager
@@ -107,7 +107,7 @@ def test_compiled_layers_read_exactly_what_the_eager_split_layers_read(tiny_dir,
 
 
 def test_warm_up_reads_then_leaves_no_prompt_or_counter_behind(tiny_dir):
-    runner = make_tiny_reader(tiny_dir).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False).runner
     read, specs = runner.read, []
     runner.read = lambda batch, *rest: (specs.extend(batch), read(batch, *rest))[1]
     seconds = compiled.warm_up(runner, canvas_length=16)
@@ -130,7 +130,7 @@ def test_compiled_vision_layers_see_exactly_what_the_library_sees(tiny_dir):
 
     from app.engine.base import ImageInput
 
-    eager, runner = make_tiny_reader(tiny_dir).runner, make_tiny_reader(tiny_dir).runner
+    eager, runner = make_tiny_reader(tiny_dir, flat_turn=False).runner, make_tiny_reader(tiny_dir, flat_turn=False).runner
     buffer = io.BytesIO()
     Image.new("RGB", (80, 60), (200, 40, 90)).save(buffer, "JPEG")
     prompt = Prompt((5, 6, int(eager.config.image_token_id), 7), (ImageInput(buffer.getvalue(), "image/jpeg"),))

@@ -68,7 +68,7 @@ def assert_same_reads(a, b):
 
 
 def test_images_are_preprocessed_off_the_engine_thread_and_read_as_inline(tiny_dir, tokenizer):
-    reader = recorded(make_tiny_reader(tiny_dir))
+    reader = recorded(make_tiny_reader(tiny_dir, flat_turn=False))
     specs = [image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5, 77]),
              image_spec(tokenizer, "what is ahead?", frame((10, 10, 200), "frame 1"), [9]),
              spec_for(tokenizer, "a text state", "q1: yes", [3])]
@@ -86,7 +86,7 @@ def test_images_are_preprocessed_off_the_engine_thread_and_read_as_inline(tiny_d
     assert reader.images_held == 0  # nothing preprocessed outlives its job
 
     # A direct runner call (bench scripts, tests) still decodes inline, on its own thread.
-    inline = make_tiny_reader(tiny_dir).runner
+    inline = make_tiny_reader(tiny_dir, flat_turn=False).runner
     inline.image_processor = ThreadRecorder(inline.image_processor)
     direct = inline.read(specs)
     assert inline.image_processor.threads == [threading.current_thread().name] * 2
@@ -97,7 +97,7 @@ def test_images_are_preprocessed_off_the_engine_thread_and_read_as_inline(tiny_d
 
 
 def test_an_image_generation_is_preprocessed_off_the_engine_thread(tiny_dir, tokenizer):
-    reader = recorded(make_tiny_reader(tiny_dir))
+    reader = recorded(make_tiny_reader(tiny_dir, flat_turn=False))
     prompt = Prompt(tuple(tokenizer.render_chat("Look.", "describe it", 1, False)), (frame((30, 200, 30), "frame"),))
     spec = GenerateSpec(prompt, 16, (), seed=1, temperature=0.0)
 
@@ -110,12 +110,12 @@ def test_an_image_generation_is_preprocessed_off_the_engine_thread(tiny_dir, tok
     assert len(runner.image_processor.threads) == 1
     assert runner.image_processor.threads[0].startswith("djev-images")
     assert runner.stats["images_preprocessed_inline"] == 0 and reader.images_held == 0
-    inline = make_tiny_reader(tiny_dir).runner.generate(spec, reader.info.canvas_length)
+    inline = make_tiny_reader(tiny_dir, flat_turn=False).runner.generate(spec, reader.info.canvas_length)
     assert generated.ids == inline.ids and generated.prompt_tokens == inline.prompt_tokens > len(prompt.ids)
 
 
 def test_a_broken_image_fails_only_its_own_read_with_the_same_error(tiny_dir, tokenizer):
-    reader = recorded(make_tiny_reader(tiny_dir))
+    reader = recorded(make_tiny_reader(tiny_dir, flat_turn=False))
     good = image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5])
     bad = image_spec(tokenizer, "what is ahead?", ImageInput(b"\xff\xd8 not really a jpeg", "image/jpeg", "frame 7"),
                      [5])
@@ -133,14 +133,14 @@ def test_a_broken_image_fails_only_its_own_read_with_the_same_error(tiny_dir, to
     assert reader.runner.stats["images_preprocessed"] == 3 and reader.runner.stats["images_preprocessed_inline"] == 0
 
     # The inline path: per spec, the same error for the broken image only.
-    direct = make_tiny_reader(tiny_dir).runner.read([good, bad])
+    direct = make_tiny_reader(tiny_dir, flat_turn=False).runner.read([good, bad])
     assert not isinstance(direct[0], Exception) and isinstance(direct[1], EngineInputError)
     assert direct[1].param == failed.param and direct[1].status == failed.status
     assert re.sub(" at 0x[0-9a-f]+", "", str(direct[1])) == re.sub(" at 0x[0-9a-f]+", "", str(failed))  # PIL names its buffer
 
 
 def test_a_model_without_an_image_processor_refuses_images_as_before(tiny_dir, tokenizer):
-    reader = make_tiny_reader(tiny_dir)
+    reader = make_tiny_reader(tiny_dir, flat_turn=False)
     reader.runner.image_processor = None
     spec = image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5])
 
@@ -155,7 +155,7 @@ def test_a_model_without_an_image_processor_refuses_images_as_before(tiny_dir, t
 
 
 def test_cached_features_and_cached_prompts_skip_preprocessing(tiny_dir, tokenizer):
-    reader = recorded(make_tiny_reader(tiny_dir))
+    reader = recorded(make_tiny_reader(tiny_dir, flat_turn=False))
     image = frame((30, 200, 30), "frame")
     first = image_spec(tokenizer, "what is ahead?", image, [5])
     restated = image_spec(tokenizer, "ahead: wall. which side?", image, [5])  # a later stage, same frame
@@ -175,7 +175,7 @@ def test_cached_features_and_cached_prompts_skip_preprocessing(tiny_dir, tokeniz
 
 
 def test_past_the_budget_the_engine_thread_decodes_and_reads_the_same(tiny_dir, tokenizer):
-    reader = recorded(make_tiny_reader(tiny_dir))
+    reader = recorded(make_tiny_reader(tiny_dir, flat_turn=False))
     reader.image_budget = 0
     spec = image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5, 77])
 
@@ -186,12 +186,12 @@ def test_past_the_budget_the_engine_thread_decodes_and_reads_the_same(tiny_dir, 
     runner = reader.runner
     assert runner.stats["images_preprocessed"] == 0 and runner.stats["images_preprocessed_inline"] == 1
     assert runner.image_processor.threads == runner.read.threads  # the engine thread, as before
-    (direct,) = make_tiny_reader(tiny_dir).runner.read([spec])
+    (direct,) = make_tiny_reader(tiny_dir, flat_turn=False).runner.read([spec])
     assert_same_reads(result, direct)
 
 
 def test_a_cancelled_read_gives_its_preprocessed_images_back(tiny_dir, tokenizer):
-    reader = make_tiny_reader(tiny_dir)
+    reader = make_tiny_reader(tiny_dir, flat_turn=False)
     runner = reader.runner
     started, release = threading.Event(), threading.Event()
     plain_read = runner.read
@@ -266,7 +266,7 @@ def test_a_restated_stage_is_encoded_over_the_first_stages_prefix_and_reads_the_
     from tests.engine.hf.graphs.test_encoder import assert_same_kv
 
     first, second = frame_prompts(tokenizer)
-    narrow = make_tiny_reader(tiny_dir).runner  # the tiny model's own 64-token window: the source is cropped
+    narrow = make_tiny_reader(tiny_dir, flat_turn=False).runner  # the tiny model's own 64-token window: the source is cropped
     narrow.encode_many([first])
     narrow.encode_many([second])
     assert narrow.stats["image_prefix_hits"] == 0
@@ -290,7 +290,7 @@ def test_a_walk_decisions_gated_stage_reuses_the_frames_prompt(wide_dir):
     from app.decisions.run import Decider
     from tests.conftest import LIMITS
 
-    reader = make_tiny_reader(wide_dir)
+    reader = make_tiny_reader(wide_dir, flat_turn=False)  # the row path's image-prefix encoding
     body = {"state": "Walking forward.", "samples": 1,
             "questions": {"clear": {"type": "noul", "instructions": "Is the way ahead clear?"},
                           "side": {"type": "choice", "instructions": "Which side is the obstacle on?",

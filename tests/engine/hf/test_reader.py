@@ -27,6 +27,15 @@ async def started(reader, coro_factory):
         await reader.stop()
 
 
+
+@pytest.fixture
+def tiny_reader(tiny_dir):
+    """The row path's reader: this module counts its encoder and decoder passes."""
+    from tests.conftest import make_tiny_reader
+
+    return make_tiny_reader(tiny_dir, flat_turn=False)
+
+
 def spec_for(tokenizer, state: str, answer: str, noise: list[int], steps: int = 1, seed: int = 0) -> ReadSpec:
     prompt = Prompt(tuple(tokenizer.render_chat("Answer.", state, 0, thinking=False)))
     template = tokenizer.encode(answer)
@@ -162,7 +171,7 @@ def test_generation_stops_at_a_stop_id(tiny_reader, tokenizer):
 def test_a_prompt_past_the_limit_fails_alone(tiny_dir, tokenizer):
     from tests.conftest import make_tiny_reader
 
-    reader = make_tiny_reader(tiny_dir, max_prompt_tokens=100)
+    reader = make_tiny_reader(tiny_dir, flat_turn=False, max_prompt_tokens=100)
     short = spec_for(tokenizer, "short", "q1: yes", [1])
     long = spec_for(tokenizer, "word " * 300, "q1: yes", [1])
 
@@ -192,7 +201,7 @@ def test_batched_prefill_equals_single_prefill(tiny_dir, tokenizer):
         spec_for(tokenizer, "a state past the sliding window " * 12, "q1: yes", [9, 10]),
         spec_for(tokenizer, "medium sized state here", "q1: no\nq2: yes", [100]),
     ]
-    alone_reader, batch_reader = make_tiny_reader(tiny_dir), make_tiny_reader(tiny_dir)
+    alone_reader, batch_reader = make_tiny_reader(tiny_dir, flat_turn=False), make_tiny_reader(tiny_dir, flat_turn=False)
 
     async def alone():
         return [(await alone_reader.read([spec]))[0] for spec in specs]
@@ -246,7 +255,7 @@ def test_loading_sets_the_heap_aside_from_the_collectors_passes(tiny_dir):
     from tests.conftest import make_tiny_reader
 
     gc.unfreeze()
-    reader = make_tiny_reader(tiny_dir)
+    reader = make_tiny_reader(tiny_dir, flat_turn=False)
     frozen = gc.get_freeze_count()
     assert frozen > 10_000  # the model, the libraries: out of every later full pass
     assert not any(obj is reader.runner.model for obj in gc.get_objects(generation=2))
@@ -259,7 +268,7 @@ def test_a_read_of_many_canvases_over_a_long_prompt_takes_passes_within_the_deco
 
     from tests.conftest import make_tiny_reader
 
-    runner = make_tiny_reader(tiny_dir).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False).runner
     spec = spec_for(tokenizer, "a long state " * 20, "q1: yes", list(range(100, 110)))
     prompt = runner.encode(spec.prompt).length
     width = len(spec.canvases[0])

@@ -18,7 +18,7 @@ STEPS = 6  # denoise passes a block at most: enough to exercise the schedule, qu
 
 @pytest.fixture(scope="module")
 def reader(tiny_dir):
-    reader = make_tiny_reader(tiny_dir)
+    reader = make_tiny_reader(tiny_dir, flat_turn=False)
     reader.runner.generation["max_denoising_steps"] = STEPS
     return reader
 

@@ -14,7 +14,7 @@ from tests.engine.hf.test_chunked import long_spec
 def test_each_chunk_waits_for_its_device_work_before_its_turn_ends(tiny_dir, tokenizer, monkeypatch):
     """A chunk's turn ends once its device work is done (`finish_turn`, a stream synchronisation on
     CUDA), never with that work still queued behind the host for the next reads to wait out."""
-    runner = make_tiny_reader(tiny_dir, prefill_chunk=48).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False, prefill_chunk=48).runner
     waited: list[int] = []
     monkeypatch.setattr(runner, "finish_turn", lambda: waited.append(runner.stats["encoder_chunks"]))
     steps = runner.read_steps([long_spec(tokenizer)])
@@ -31,7 +31,7 @@ def test_each_chunk_waits_for_its_device_work_before_its_turn_ends(tiny_dir, tok
 
 
 def test_finish_turn_synchronises_only_a_cuda_device(tiny_dir, monkeypatch):
-    runner = make_tiny_reader(tiny_dir).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False).runner
     calls: list[object] = []
 
     class Stream:
@@ -50,7 +50,7 @@ def test_finish_turn_synchronises_only_a_cuda_device(tiny_dir, monkeypatch):
 def test_a_generations_commit_turn_waits_for_its_device_work(tiny_dir, tokenizer, monkeypatch):
     """A finished block's commit (an encoder pass nothing reads back in that turn) ends with
     `finish_turn`, as every engine turn ends with its device work done (app/engine/base.py)."""
-    runner = make_tiny_reader(tiny_dir).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False).runner
     runner.generation["max_denoising_steps"] = 4
     prompt = Prompt(tuple(tokenizer.render_chat("Think.", "a state", 0, thinking=True)))
     state = runner.start_generation(GenerateSpec(prompt, 40, (), seed=11, temperature=0.0), 32)

@@ -36,7 +36,7 @@ LONG_STATE = " ".join(f"word{i % 97} and{i % 13}" for i in range(120))  # past 4
 
 @pytest.fixture(scope="module")
 def row(tiny_dir):
-    return make_tiny_reader(tiny_dir).runner
+    return make_tiny_reader(tiny_dir, flat_turn=False).runner
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +207,7 @@ def distributions(outcome) -> dict[str, list[float]]:
     {"state": {"log": LONG_STATE}, "questions": SCHEMA},
 ], ids=["stages", "sequential", "isolate", "rotate", "prior", "samples", "auto", "long"])
 def test_decisions_give_the_same_distributions(tiny_dir, body):
-    row = decide(make_tiny_reader(tiny_dir), body)
+    row = decide(make_tiny_reader(tiny_dir, flat_turn=False), body)
     flat = decide(make_tiny_reader(tiny_dir, flat_turn=True), body)
     expected, got = distributions(row), distributions(flat)
     assert expected.keys() == got.keys()
@@ -218,14 +218,14 @@ def test_decisions_give_the_same_distributions(tiny_dir, body):
 def test_an_image_decision_gives_the_same_distributions(tiny_dir):
     images = (ImageInput(jpeg((40, 160, 40)), "image/jpeg", "frame"),)
     body = {"state": "a camera frame", "questions": SCHEMA, "samples": 1}
-    expected = distributions(decide(make_tiny_reader(tiny_dir), body, images))
+    expected = distributions(decide(make_tiny_reader(tiny_dir, flat_turn=False), body, images))
     got = distributions(decide(make_tiny_reader(tiny_dir, flat_turn=True), body, images))
     assert max(abs(a - b) for qid in expected for a, b in zip(expected[qid], got[qid], strict=True)) < TOLERANCE
 
 
 def test_a_decision_with_a_greedy_thought_gives_the_same_thought_and_distributions(tiny_dir):
     body = {"state": TICKET, "questions": SCHEMA, "think": 24, "samples": 1}
-    row = decide(make_tiny_reader(tiny_dir), body, greedy=True)
+    row = decide(make_tiny_reader(tiny_dir, flat_turn=False), body, greedy=True)
     flat = decide(make_tiny_reader(tiny_dir, flat_turn=True), body, greedy=True)
     thought = {key: value for key, value in row.diagnostics["thought"].items() if key != "ms"}
     assert thought == {key: value for key, value in flat.diagnostics["thought"].items() if key != "ms"}
@@ -247,7 +247,7 @@ def test_a_generation_is_the_row_paths_token_for_token_when_greedy(row, flat, to
 def test_the_encoders_and_decoders_layer_scalars_apply_each_to_its_own_tokens(tiny_dir, tokenizer):
     """Random weights leave every layer_scalar at 1; set apart, the flat turn scales prompt tokens
     by the encoder's and canvas tokens by the decoder's, as the row path's two stacks do."""
-    row = make_tiny_reader(tiny_dir).runner
+    row = make_tiny_reader(tiny_dir, flat_turn=False).runner
     flat = make_tiny_reader(tiny_dir, flat_turn=True).runner
     for runner in (row, flat):
         with torch.no_grad():

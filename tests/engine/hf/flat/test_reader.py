@@ -190,7 +190,7 @@ def test_a_generation_streams_a_pass_a_turn_beside_reads(tiny_dir, tokenizer):
     reader, turns = flat_reader(tiny_dir, prefill_chunk=48)
     prompt = Prompt(tuple(tokenizer.render_chat("Think.", LONG_STATE, 0, thinking=True)))
     spec = GenerateSpec(prompt, 20, (), seed=3, temperature=0.0)
-    expected = make_tiny_reader(tiny_dir).runner.generate(spec, 128)
+    expected = make_tiny_reader(tiny_dir, flat_turn=False).runner.generate(spec, 128)
 
     async def scenario():
         await reader.start()
@@ -209,3 +209,36 @@ def test_a_generation_streams_a_pass_a_turn_beside_reads(tiny_dir, tokenizer):
     assert read_done and chunks[-1].done
     assert tuple(token for chunk in chunks for token in chunk.ids) == expected.ids
     assert max(turns) <= BUDGET
+
+
+def test_images_are_preprocessed_off_the_engine_thread(tiny_dir, tokenizer):
+    import dataclasses
+    import threading
+
+    from app.engine.base import ImageInput
+    from tests.engine.hf.graphs.test_encoder import jpeg
+
+    reader, _ = flat_reader(tiny_dir)
+    runner = reader.runner
+    processor, threads = runner.image_processor, []
+
+    def recorded(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return processor(*args, **kwargs)
+
+    runner.image_processor = recorded
+    image = ImageInput(jpeg((200, 10, 10)), "image/jpeg", "frame")
+    spec = dataclasses.replace(spec_for(tokenizer, "unused", "q1: yes", [5]),
+                               prompt=Prompt(tuple(tokenizer.render_chat("Look.", "what?", 1, False)), (image,)))
+
+    async def scenario():
+        await reader.start()
+        try:
+            return await reader.read([spec])
+        finally:
+            await reader.stop()
+
+    (result,) = asyncio.run(scenario())
+    assert result.prompt_tokens > len(spec.prompt.ids)  # the soft tokens expanded
+    assert threads and all(name.startswith("djev-images") for name in threads)
+    assert runner.stats["images_preprocessed_inline"] == 0 and reader.images_held == 0

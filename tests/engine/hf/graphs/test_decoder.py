@@ -18,7 +18,7 @@ from tests.engine.hf.test_reader import spec_for
 def static_runner(tiny_dir, **policy):
     """The tiny model's runner with decoder graphs run eagerly (capture=False), over its shape policy
     with these fields changed."""
-    runner = make_tiny_reader(tiny_dir).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False).runner
     runner.policy = dataclasses.replace(runner.policy, **policy)
     runner.graphs = DecoderGraphs(runner.model, runner.layer_types, runner.device, pad_id=runner.pad_id,
                                   capture=False, policy=runner.policy, stats=runner.stats)
@@ -27,7 +27,7 @@ def static_runner(tiny_dir, **policy):
 
 @torch.no_grad()
 def test_multi_step_reads_replay_conditioned_graphs_and_equal_the_eager_path(tiny_dir, tokenizer):
-    eager, static = make_tiny_reader(tiny_dir).runner, static_runner(tiny_dir, conditioned_rows=4)
+    eager, static = make_tiny_reader(tiny_dir, flat_turn=False).runner, static_runner(tiny_dir, conditioned_rows=4)
     specs = [spec_for(tokenizer, "state one", "q1: yes\nq2: no", [42, 7], steps=3, seed=9),
              spec_for(tokenizer, "another state, longer than the first", "q1: yes", [5], steps=3, seed=2)]
     expected = eager.read(specs)
@@ -65,7 +65,7 @@ def greedy_generations(tokenizer, *runners):
 
 @torch.no_grad()
 def test_generation_on_the_graph_path_equals_eager_generation(tiny_dir, tokenizer):
-    eager, static = make_tiny_reader(tiny_dir).runner, static_runner(tiny_dir)
+    eager, static = make_tiny_reader(tiny_dir, flat_turn=False).runner, static_runner(tiny_dir)
     _, (a, b) = greedy_generations(tokenizer, eager, static)
     assert a.ids == b.ids and a.passes == b.passes
     assert static.stats["graph_replays"] == b.passes and eager.stats["graph_replays"] == 0

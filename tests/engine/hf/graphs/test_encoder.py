@@ -23,7 +23,7 @@ def graphed_runner(tiny_dir, **options):
     """The tiny model's runner with encoder graphs run eagerly (capture=False), over a shape policy
     with small buckets (`lengths`, `rows`; prefix slots from the length buckets) and the policy's
     other fields as given (`encoder_slots`, `eager_tokens`)."""
-    runner = make_tiny_reader(tiny_dir).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False).runner
     lengths = options.pop("lengths", LENGTHS)
     rows = options.pop("rows", (1, 2, 4))
     runner.policy = dataclasses.replace(runner.policy, encoder_lengths=lengths, prefix_slots=lengths,
@@ -160,7 +160,7 @@ def test_a_restated_image_skips_the_vision_tower_and_reads_the_same(tiny_dir, ru
 def test_the_vision_graph_path_equals_the_library_forward(tiny_dir, tokenizer):
     from app.engine.hf.graphs.vision import VisionGraphs
 
-    runner = make_tiny_reader(tiny_dir).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False).runner
     vision = VisionGraphs(runner.model, runner.device, capture=False)
     frames = tuple(ImageInput(jpeg(colour), "image/jpeg", f"frame {n}")
                    for n, colour in enumerate([(200, 10, 10), (10, 200, 10), (10, 10, 200)]))
@@ -180,7 +180,7 @@ def test_the_vision_graph_path_equals_the_library_forward(tiny_dir, tokenizer):
 def test_a_generation_prompt_takes_the_encoder_graph_path_and_generates_as_eager(tiny_dir, tokenizer):
     from tests.engine.hf.graphs.test_decoder import greedy_generations
 
-    eager, graphed = make_tiny_reader(tiny_dir).runner, graphed_runner(tiny_dir)
+    eager, graphed = make_tiny_reader(tiny_dir, flat_turn=False).runner, graphed_runner(tiny_dir)
     spec, (a, b) = greedy_generations(tokenizer, eager, graphed)
     prompt = spec.prompt
     assert len(prompt.ids) < graphed.text_config.sliding_window

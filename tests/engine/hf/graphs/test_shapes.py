@@ -227,7 +227,7 @@ def test_out_of_memory_while_building_is_not_a_shape_that_cannot_be_captured():
 
 @torch.no_grad()
 def test_prepared_graphs_cover_the_reads_and_nothing_is_built_after(tiny_dir, tokenizer):
-    runner = make_tiny_reader(tiny_dir).runner
+    runner = make_tiny_reader(tiny_dir, flat_turn=False).runner
     runner.use_graphs(capture=False)  # the static-buffer paths, run eagerly on the CPU
     held = runner.prepare_graphs()
     assert held["decoder"] == len(runner.policy.decoder_keys()) and held["encoder"] == len(runner.policy.encoder_keys())
