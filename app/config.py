@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, Mapping
 
@@ -20,6 +21,8 @@ ENGINES = ("hf", "vllm", "remote")
 DEBIAS_MODES = ("off", "canonical", "rotate", "prior", "canonical+prior", "rotate+prior")
 MAX_DEBIAS_ROTATIONS = 32
 LOG_FORMATS = ("text", "json")
+# REPLICA_ID: what a header value and a HAProxy server name may both hold.
+REPLICA_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
 def _meta(env: str, help: str) -> dict:
@@ -36,8 +39,14 @@ class ServerSettings:
     cert_dir: str = field(default="certs", metadata=_meta("CERT_DIR", "where the self-signed certificate lives"))
     api_key: str = field(default="", metadata=_meta("API_KEY", "bearer token POST routes require; empty = open"))
     pages: bool = field(default=True, metadata=_meta("TEST_PAGE", "1 serves the browser pages (/, /walk, /cube)"))
+    replica_id: str = field(default="", metadata=_meta(
+        "REPLICA_ID", "this replica's name behind a load balancer (docs/deploy.md): the x-djev-replica header on "
+        "every response and websocket handshake, and `replica` in a camera session's ready message; letters, "
+        "digits, . _ : - (at most 64); empty = no header"))
 
     def problems(self) -> list[str]:
+        if self.replica_id and not REPLICA_ID.fullmatch(self.replica_id):
+            return [f"REPLICA_ID must be 1 to 64 letters, digits, '.', '_', ':' or '-', not {self.replica_id!r}"]
         return []
 
 

@@ -27,7 +27,7 @@ from app.engine.base import Reader
 from app.engine.starting import StartingReader
 from app.web import health, openai, pages, raw, stream, systemone
 from app.web.errors import exception_handlers
-from app.web.frontdoor import REQUEST_ID_HEADER, FrontDoor, SecurityHeaders  # noqa: F401 - re-exported
+from app.web.frontdoor import REQUEST_ID_HEADER, FrontDoor, ReplicaHeader, SecurityHeaders  # noqa: F401 - re-exported
 from app.web.metrics import RequestMetrics
 from app.web.services import Services
 
@@ -87,6 +87,8 @@ def create_app(settings: Settings, reader: Reader, extra_routes: list | None = N
     app.add_middleware(SecurityHeaders)
     app.add_middleware(FrontDoor, api_key=settings.server.api_key)
     app.add_middleware(RequestMetrics, metrics=services.metrics)
+    if settings.server.replica_id:  # outermost: every answer names its replica, a 500's included
+        app.add_middleware(ReplicaHeader, replica_id=settings.server.replica_id)
     return app
 
 

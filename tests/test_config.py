@@ -52,6 +52,9 @@ def test_flags_override_the_environment(monkeypatch):
     ({"DEBIAS_ROTATIONS": "1"}, "DEBIAS_ROTATIONS must be 2 to 32, not 1"),
     ({"DEBIAS_ROTATIONS": "33"}, "DEBIAS_ROTATIONS must be 2 to 32, not 33"),
     ({"DEBIAS_ROTATIONS": "eight"}, "DEBIAS_ROTATIONS must be an integer"),
+    ({"REPLICA_ID": "gpu 0"}, "REPLICA_ID must be 1 to 64 letters, digits"),
+    ({"REPLICA_ID": "gpu0\r\nx-evil: 1"}, "REPLICA_ID must be 1 to 64"),
+    ({"REPLICA_ID": "g" * 65}, "REPLICA_ID must be 1 to 64"),
 ])
 def test_bad_settings_are_refused_by_name(env, message):
     with pytest.raises(ValueError) as info:

@@ -5,6 +5,11 @@ request writes carries it), the bearer check on every POST before its body is re
 resolved, and the last word on an exception no handler took (a 500 through the one error map, the
 traceback in the log, no internals to the client).
 
+`ReplicaHeader`: with REPLICA_ID set, `x-djev-replica: <id>` on every HTTP response and on the
+websocket handshake's 101, so a client behind a load balancer (docs/deploy.md, "Replicas behind
+HAProxy") sees which replica answered; a browser's WebSocket cannot read handshake headers, so a
+camera session's `ready` message says it too.
+
 `SecurityHeaders`: a Content-Security-Policy allowing the server itself plus what the pages really
 use (`blob:` and `data:` images for previews and the favicon, `blob:` media for the camera, the
 page's own `ws:`/`wss:` endpoint), `nosniff` and `Referrer-Policy` on every response.
@@ -23,6 +28,7 @@ from app.web.auth import check_authorization
 from app.web.errors import HTTPError, error_reply
 
 REQUEST_ID_HEADER = "x-typesafe-request-id"
+REPLICA_HEADER = "x-djev-replica"
 
 
 class FrontDoor:
@@ -108,3 +114,27 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+
+class ReplicaHeader:
+    """Names this replica on every response: HTTP responses (errors and the front door's own
+    included, as it sits outside them) and the websocket's accept, which ASGI lets carry headers."""
+
+    def __init__(self, app: ASGIApp, replica_id: str) -> None:
+        self.app = app
+        self.replica_id = replica_id
+        self.header = (REPLICA_HEADER.encode("latin-1"), replica_id.encode("latin-1"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_replica(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append(REPLICA_HEADER, self.replica_id)
+            elif message["type"] == "websocket.accept":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_replica)

@@ -359,7 +359,8 @@ async def stream(websocket: WebSocket) -> None:
         info = services.reader.info
         await session.send({
             "type": "ready", "session": session.id, "model": info.model, "engine": info.engine,
-            "device": info.device, "tiny": info.tiny, "next_frame_ms": session.interval_ms,
+            "device": info.device, "tiny": info.tiny, "replica": services.settings.server.replica_id or None,
+            "next_frame_ms": session.interval_ms,
             "limits": {"frame_bytes": services.settings.limits.max_image_bytes, "messages_per_second": RATE_PER_SECOND},
         })
         await supervise(session)
