@@ -1,5 +1,5 @@
-"""`djev serve | calibrate | eval | selftest | tiny-model`: parse flags, build Settings, choose the checkpoint,
-start the server or run the command."""
+"""`djev serve | calibrate | eval | selftest | cert | tiny-model`: parse flags, build Settings, choose
+the checkpoint, start the server or run the command."""
 
 from __future__ import annotations
 
@@ -78,6 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
         "engine the environment configures in this process and ask it. Settings come from the environment."))
     selftest.add_argument("--url", help="a running djev server, e.g. http://127.0.0.1:8011")
     selftest.add_argument("--timeout", type=float, default=120.0, help="seconds for the engine and the answer")
+
+    cert = commands.add_parser("cert", help="write the certificate a TLS-terminating balancer presents", description=(
+        "Write djev's local certificate authority (once, as `djev serve --tls-port` does) and, issued by it, the "
+        "certificate of a load balancer in front of djev replicas: CERT_DIR/djev.pem, the certificate, the "
+        "authority's and the key in one file, as HAProxy's `crt` takes it. It covers this machine's names and "
+        "addresses (as djev's own), plus each --name; it is reissued when they change. Phones trust the one "
+        "authority (docs/deploy.md)."))
+    cert.add_argument("--cert-dir", dest="cert_dir", default=None, help="where the authority and the file live (env CERT_DIR)")
+    cert.add_argument("--name", action="append", default=[], help="another DNS name or IP address the balancer is reached "
+                      "by (repeat)")
 
     tiny = commands.add_parser("tiny-model", help="write the tiny random-weight checkpoint to DIR")
     tiny.add_argument("directory", type=Path)
@@ -162,6 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"djev: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings)
+    if args.command == "cert":
+        from app.tls import run_cert
+
+        return run_cert(Path(settings.server.cert_dir), args.name)
     if args.command == "selftest":
         from app.selftest import run_selftest
 

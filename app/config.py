@@ -36,7 +36,8 @@ class ServerSettings:
     host: str = field(default="0.0.0.0", metadata=_meta("HOST", "interface the HTTP and HTTPS listeners bind"))
     port: int = field(default=8011, metadata=_meta("STRUCTURED_PORT", "HTTP port"))
     tls_port: int = field(default=0, metadata=_meta("TLS_PORT", "HTTPS port with a self-signed certificate; 0 = off"))
-    cert_dir: str = field(default="certs", metadata=_meta("CERT_DIR", "where the self-signed certificate lives"))
+    cert_dir: str = field(default="certs", metadata=_meta(
+        "CERT_DIR", "where djev's local certificate authority and the certificates it issues live"))
     api_key: str = field(default="", metadata=_meta("API_KEY", "bearer token POST routes require; empty = open"))
     pages: bool = field(default=True, metadata=_meta("TEST_PAGE", "1 serves the browser pages (/, /walk, /cube)"))
     replica_id: str = field(default="", metadata=_meta(

@@ -9,6 +9,12 @@ certificate followed by the authority's (the chain the listener sends); it is re
 of names and addresses it must cover changes (a new LAN address, a renamed host), when it nears
 expiry, or when it was not issued by the current authority. The names: localhost, 127.0.0.1, ::1,
 the hostname and every local IPv4 address.
+
+certs/djev.pem is the same kind of certificate for a TLS-terminating load balancer in front of djev
+replicas (`djev cert`; docs/deploy.md, "Replicas behind HAProxy"): the certificate, the authority's
+and the key in one file, as HAProxy's `crt` takes it. It is issued by the same authority, so a phone
+that trusts it once trusts the balancer and every replica behind it; the listener's own pair is left
+alone (a replica behind the balancer serves HTTP only).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import os
 import socket
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from cryptography import x509
@@ -33,6 +39,7 @@ CERT_NAME = "djev.crt"
 KEY_NAME = "djev.key"
 CA_CERT_NAME = "djev-ca.crt"
 CA_KEY_NAME = "djev-ca.key"
+BUNDLE_NAME = "djev.pem"  # a balancer's certificate, chain and key in one file
 VALID_DAYS = 825  # the longest server certificate Apple's platforms accept
 CA_VALID_DAYS = 3650
 RENEW_BEFORE_DAYS = 30
@@ -70,6 +77,22 @@ def wanted_names() -> tuple[list[str], list[str]]:
     return dns, ips
 
 
+def with_extra_names(names: tuple[list[str], list[str]], extra: Sequence[str]) -> tuple[list[str], list[str]]:
+    """`names` plus each of `extra` (an IP address, or else a DNS name) it lacks: the name a balancer
+    is reached by when that is not this machine's own (a DNS alias, a Kubernetes ingress host)."""
+    dns, ips = list(names[0]), list(names[1])
+    for name in extra:
+        try:
+            ip = str(ipaddress.ip_address(name))
+        except ValueError:
+            if name not in dns:
+                dns.append(name)
+            continue
+        if ip not in ips:
+            ips.append(ip)
+    return dns, ips
+
+
 def certificate_names(cert_path: Path) -> tuple[set[str], set[str], dt.datetime, bytes] | None:
     """(DNS names, IPs, expiry, issuer key id) of the first certificate in the file, or None."""
     from cryptography import x509
@@ -92,16 +115,44 @@ def ensure_certificate(cert_dir: Path) -> tuple[str, str]:
     cert_path, key_path = cert_dir / CERT_NAME, cert_dir / KEY_NAME
     dns, ips = wanted_names()
     current = certificate_names(cert_path) if cert_path.is_file() and key_path.is_file() else None
-    now = dt.datetime.now(dt.timezone.utc)
+    if still_good(current, dns, ips, ca_cert):
+        return str(cert_path), str(key_path)
     if current is not None:
-        have_dns, have_ips, expires, issuer = current
-        if (have_dns == set(dns) and have_ips == set(ips) and issuer == key_id(ca_cert)
-                and expires - now > dt.timedelta(days=RENEW_BEFORE_DAYS)):
-            return str(cert_path), str(key_path)
         log.info("certificate names, validity or authority changed: reissuing %s", cert_path)
     write_certificate(cert_path, key_path, dns, ips, ca_cert, ca_key)
     log.info("issued a certificate for %s to %s", ", ".join(dns + ips), cert_path)
     return str(cert_path), str(key_path)
+
+
+def ensure_bundle(cert_dir: Path, extra_names: Sequence[str] = ()) -> str:
+    """The balancer's one-file certificate (certificate, authority, key: what HAProxy's `crt` takes),
+    issued by djev's local authority for this machine's names plus `extra_names`, written or
+    reissued as `ensure_certificate` does its pair. Its path."""
+    cert_dir.mkdir(parents=True, exist_ok=True)
+    ca_cert, ca_key = ensure_authority(cert_dir)
+    path = cert_dir / BUNDLE_NAME
+    dns, ips = with_extra_names(wanted_names(), extra_names)
+    current = certificate_names(path) if path.is_file() else None
+    if still_good(current, dns, ips, ca_cert):
+        return str(path)
+    if current is not None:
+        log.info("certificate names, validity or authority changed: reissuing %s", path)
+    cert, key = issue_certificate(dns, ips, ca_cert, ca_key)
+    write_bundle(path, [cert, ca_cert], key)
+    log.info("issued a balancer certificate for %s to %s", ", ".join(dns + ips), path)
+    return str(path)
+
+
+def still_good(current: tuple[set[str], set[str], dt.datetime, bytes] | None, dns: list[str], ips: list[str],
+               ca_cert: "x509.Certificate") -> bool:
+    """Whether a certificate (`certificate_names`' reading of it) covers exactly these names, was
+    issued by this authority and is not near its expiry."""
+    if current is None:
+        return False
+    have_dns, have_ips, expires, issuer = current
+    now = dt.datetime.now(dt.timezone.utc)
+    return (have_dns == set(dns) and have_ips == set(ips) and issuer == key_id(ca_cert)
+            and expires - now > dt.timedelta(days=RENEW_BEFORE_DAYS))
 
 
 def key_id(cert: "x509.Certificate") -> bytes:
@@ -184,6 +235,15 @@ def write_authority(cert_path: Path, key_path: Path) -> tuple["x509.Certificate"
 
 def write_certificate(cert_path: Path, key_path: Path, dns: list[str], ips: list[str],
                       ca_cert: "x509.Certificate", ca_key: "ec.EllipticCurvePrivateKey") -> None:
+    cert, key = issue_certificate(dns, ips, ca_cert, ca_key)
+    write_private(key_path, key)
+    # The chain the listener sends: the server's certificate, then the authority's.
+    write_public(cert_path, [cert, ca_cert])
+
+
+def issue_certificate(dns: list[str], ips: list[str], ca_cert: "x509.Certificate",
+                      ca_key: "ec.EllipticCurvePrivateKey") -> tuple["x509.Certificate", "ec.EllipticCurvePrivateKey"]:
+    """A server certificate for these names, signed by the authority, and its new key."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -213,9 +273,7 @@ def write_certificate(cert_path: Path, key_path: Path, dns: list[str], ips: list
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    write_private(key_path, key)
-    # The chain the listener sends: the server's certificate, then the authority's.
-    write_public(cert_path, [cert, ca_cert])
+    return cert, key
 
 
 def write_private(path: Path, key: "ec.EllipticCurvePrivateKey") -> None:
@@ -235,3 +293,27 @@ def write_public(path: Path, certs: "list[x509.Certificate]") -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_bytes(b"".join(cert.public_bytes(serialization.Encoding.PEM) for cert in certs))
     tmp.replace(path)
+
+
+def write_bundle(path: Path, certs: "list[x509.Certificate]", key: "ec.EllipticCurvePrivateKey") -> None:
+    """The certificates, then the key, in one PEM file readable by its owner only (it holds the key)."""
+    from cryptography.hazmat.primitives import serialization
+
+    data = b"".join(cert.public_bytes(serialization.Encoding.PEM) for cert in certs)
+    data += key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption())
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as handle:
+        handle.write(data)
+    tmp.replace(path)
+
+
+def run_cert(cert_dir: Path, names: Sequence[str]) -> int:
+    """`djev cert`: write (or keep) the balancer's one-file certificate and say what it is."""
+    path = ensure_bundle(cert_dir, names)
+    read = certificate_names(Path(path))
+    covered = sorted(read[0]) + sorted(read[1]) if read else []
+    print(f"{path}: certificate, chain and key for {', '.join(covered)}")
+    print(f"issued by {cert_dir / CA_CERT_NAME} (SHA-256 {ca_fingerprint(cert_dir)}): the authority phones trust once")
+    return 0
+

@@ -170,3 +170,37 @@ def test_the_authority_is_served_for_a_phone_to_install(tiny_dir, tmp_path):
     assert response.content == (tmp_path / tls.CA_CERT_NAME).read_bytes()
     assert x509.load_pem_x509_certificate(response.content).extensions.get_extension_for_class(
         x509.BasicConstraints).value.ca is True
+
+
+def test_the_balancer_file_holds_certificate_chain_and_key_from_the_one_authority(tmp_path):
+    """`djev cert`'s file, for HAProxy's `crt`: issued by the authority phones already trust (the
+    HTTPS test of tests/deploy/test_replicas.py has HAProxy present it), its key owner-only."""
+    from cryptography.hazmat.primitives import serialization
+
+    path = Path(tls.ensure_bundle(tmp_path, ["djev.lan", "10.9.8.7"]))
+    assert path.name == tls.BUNDLE_NAME and oct(os.stat(path).st_mode & 0o777) == "0o600"
+    leaf, chained = load_chain(path)
+    (ca,) = load_chain(tmp_path / tls.CA_CERT_NAME)
+    assert chained == ca
+    leaf.verify_directly_issued_by(ca)
+    key = serialization.load_pem_private_key(path.read_bytes(), password=None)  # the PEM's key block
+    assert key.public_key() == leaf.public_key()
+    dns, ips = sans(path)
+    own_dns, own_ips = tls.wanted_names()
+    assert dns == set(own_dns) | {"djev.lan"} and ips == set(own_ips) | {"10.9.8.7"}
+    assert not (tmp_path / tls.CERT_NAME).exists()  # the listener's own pair is not the balancer's
+
+    before = path.read_bytes()
+    assert Path(tls.ensure_bundle(tmp_path, ["10.9.8.7", "djev.lan"])).read_bytes() == before  # kept
+    tls.ensure_bundle(tmp_path, ["djev.lan"])
+    assert path.read_bytes() != before and "10.9.8.7" not in sans(path)[1]  # names changed: reissued
+    assert load_chain(tmp_path / tls.CA_CERT_NAME) == [ca]  # by the same authority
+
+
+def test_djev_cert_writes_the_file_and_names_the_authority(tmp_path, capsys):
+    from app.cli import main
+
+    assert main(["cert", "--cert-dir", str(tmp_path), "--name", "djev.lan"]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / tls.BUNDLE_NAME) in out and "djev.lan" in out
+    assert tls.ca_fingerprint(tmp_path) in out
