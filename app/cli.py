@@ -1,5 +1,5 @@
-"""`djev serve | calibrate | eval | selftest | cert | tiny-model`: parse flags, build Settings, choose
-the checkpoint, start the server or run the command."""
+"""`djev serve | calibrate | eval | selftest | cert | haproxy-config | tiny-model`: parse flags, build
+Settings, choose the checkpoint, start the server or run the command."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from app.balancer import CHECK_INTERVAL_MS, FIRST_REPLICA_PORT
 from app.config import Settings, field_kind, setting_fields
 from app.logs import configure_logging
 
@@ -88,6 +89,28 @@ def build_parser() -> argparse.ArgumentParser:
     cert.add_argument("--cert-dir", dest="cert_dir", default=None, help="where the authority and the file live (env CERT_DIR)")
     cert.add_argument("--name", action="append", default=[], help="another DNS name or IP address the balancer is reached "
                       "by (repeat)")
+
+    haproxy = commands.add_parser("haproxy-config", help="print HAProxy's configuration for djev replicas", description=(
+        "Print the haproxy.cfg for djev replicas behind HAProxy (docs/deploy.md, \"Replicas behind HAProxy\"): "
+        "leastconn, readiness on /health, camera sessions kept on their replica with maxconn MAX_SESSIONS + 1, "
+        "HTTPS with `djev cert`'s file. MAX_SESSIONS and REQUEST_TIMEOUT are the replicas' (the environment, as "
+        "`djev serve` reads it, or the flags)."))
+    replicas = haproxy.add_mutually_exclusive_group(required=True)
+    replicas.add_argument("--replicas", type=int, help="N replicas gpu0 ... gpuN-1 on consecutive ports from --first-port")
+    replicas.add_argument("--server", action="append", metavar="ID=HOST:PORT", help="one replica (repeat)")
+    haproxy.add_argument("--first-port", type=int, default=FIRST_REPLICA_PORT, help="the first replica's port (--replicas)")
+    haproxy.add_argument("--replica-host", default="127.0.0.1", help="where the replicas listen (--replicas)")
+    haproxy.add_argument("--bind", default=Settings().server.host, help="the interface HAProxy listens on")
+    haproxy.add_argument("--http-port", type=int, default=Settings().server.port, help="HAProxy's HTTP port")
+    haproxy.add_argument("--https-port", type=int, default=0, help="HAProxy's HTTPS port; 0 = none")
+    haproxy.add_argument("--crt", help="the file `djev cert` writes (default CERT_DIR/djev.pem)")
+    haproxy.add_argument("--stats-port", type=int, default=0, help="HAProxy's stats page on 127.0.0.1; 0 = none")
+    haproxy.add_argument("--user", default="", help="the user HAProxy drops to after reading its files as root")
+    haproxy.add_argument("--check-interval-ms", type=int, default=CHECK_INTERVAL_MS, help="ms between /health checks")
+    haproxy.add_argument("--max-sessions", dest="max_sessions", type=int, default=None,
+                         help="the replicas' MAX_SESSIONS (env MAX_SESSIONS)")
+    haproxy.add_argument("--request-timeout", dest="request_timeout", type=float, default=None,
+                         help="the replicas' REQUEST_TIMEOUT (env REQUEST_TIMEOUT)")
 
     tiny = commands.add_parser("tiny-model", help="write the tiny random-weight checkpoint to DIR")
     tiny.add_argument("directory", type=Path)
@@ -176,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from app.tls import run_cert
 
         return run_cert(Path(settings.server.cert_dir), args.name)
+    if args.command == "haproxy-config":
+        from app.balancer import run_haproxy_config
+
+        return run_haproxy_config(settings, args, list(sys.argv[1:] if argv is None else argv))
     if args.command == "selftest":
         from app.selftest import run_selftest
 

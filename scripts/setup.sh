@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what djev needs, idempotently (a second run is a no-op).
 #   scripts/setup.sh                 the server, into .venv
-#   scripts/setup.sh --test          the server, the test tools, and Debian's chromium for the browser tests
+#   scripts/setup.sh --test          the server, the test tools, and Debian's chromium and haproxy for the tests
 #   scripts/setup.sh --vllm          also the CPU vLLM test venv, .venv-vllm (flags combine: --test --vllm)
 # torch: TORCH_SPEC (default torch==2.13.0, the CPU build this workplace keeps on disk). On a GPU
 # machine, install your CUDA build of torch into .venv first, or set TORCH_SPEC; an importable torch
@@ -46,12 +46,20 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-if [ "$TEST" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
-  echo "setup: installing Debian's chromium for the browser tests"
-  SUDO=""
-  [ "$(id -u)" != 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null
+# Debian's packages the tests run: chromium (the browser tests) and haproxy 2.6 (djev replicas
+# behind HAProxy, tests/deploy/test_replicas.py). Each is installed only where its command is missing.
+if [ "$TEST" = 1 ]; then
+  missing=()
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  # Debian puts haproxy in /usr/sbin, which a user's PATH may lack (the tests look there too).
+  command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
+  if [ "${#missing[@]}" -gt 0 ]; then
+    echo "setup: installing Debian's ${missing[*]} for the tests"
+    SUDO=""
+    [ "$(id -u)" != 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
 fi
 
 [ "$VLLM" = 1 ] || exit 0

@@ -1,0 +1,162 @@
+"""`djev haproxy-config` (app/balancer.py): the HAProxy configuration for djev replicas says what
+docs/deploy.md promises (leastconn, readiness on /health, websockets through a tunnel, cameras
+capped at MAX_SESSIONS + 1 a replica, safe retries, TLS with `djev cert`'s file), HAProxy 2.6
+accepts it, bad input is refused by name, and the balancer's own errors are djev's envelope.
+tests/deploy/test_replicas.py runs it in front of real replicas."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app import balancer, tls
+from app.cli import main
+from app.config import Settings
+from app.server import free_port
+from tests.deploy.replicas import HAPROXY_MISSING, haproxy_executable, stop, tail, wait_for
+
+HAPROXY = haproxy_executable()
+needs_haproxy = pytest.mark.skipif(HAPROXY is None, reason=HAPROXY_MISSING)
+
+
+def sections(text: str) -> dict[str, list[str]]:
+    """haproxy.cfg as {"global": [lines], "backend api": [lines], ...}, comments left out."""
+    found: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if not line.startswith(" "):
+            current = found.setdefault(line.strip(), [])
+        else:
+            current.append(line.strip())
+    return found
+
+
+def config(**changes) -> balancer.BalancerConfig:
+    values = dict(replicas=balancer.replicas_on_ports(3, 8021), max_sessions=32, request_timeout_s=120,
+                  bind="0.0.0.0", http_port=8011, https_port=8443, crt="/certs/djev.pem", user="haproxy")
+    return balancer.BalancerConfig(**{**values, **changes})
+
+
+def test_readiness_leastconn_and_one_check_per_replica():
+    cfg = sections(balancer.render(config()))
+    api, stream = cfg["backend api"], cfg["backend stream"]
+    assert "balance leastconn" in api and "balance leastconn" in stream
+    assert "option httpchk GET /health" in api and "http-check expect status 200" in api  # 200: ok and degraded
+    assert [line for line in api if line.startswith("server ")] == [
+        "server gpu0 127.0.0.1:8021", "server gpu1 127.0.0.1:8022", "server gpu2 127.0.0.1:8023"]
+    assert any(line.startswith("default-server check inter 2000ms fall 2 rise 1") for line in api)
+    # The stream backend follows api's checks: one /health check per replica, not two.
+    assert [line for line in stream if line.startswith("server ")] == [
+        f"server gpu{i} 127.0.0.1:{8021 + i} track api/gpu{i}" for i in range(3)]
+    assert not any("httpchk" in line for line in stream)
+
+
+def test_cameras_go_to_the_stream_backend_capped_one_over_max_sessions_through_a_tunnel():
+    cfg = sections(balancer.render(config(max_sessions=20)))
+    assert "use_backend stream if { path /v1/stream }" in cfg["frontend djev"]
+    assert "default_backend api" in cfg["frontend djev"]
+    assert "default-server maxconn 21" in cfg["backend stream"]  # the 21st is the replica's own 1013
+    assert not any("maxconn" in line for line in cfg["backend api"])  # REST: the replica's own 529
+    assert "timeout tunnel 1h" in cfg["defaults"]
+
+
+def test_timeouts_outlast_the_replicas_request_timeout_and_retries_are_the_safe_ones():
+    defaults = sections(balancer.render(config(request_timeout_s=300)))["defaults"]
+    assert "timeout server 330s" in defaults and "timeout client 330s" in defaults  # djev's own 504 comes first
+    assert "retry-on conn-failure empty-response 503" in defaults
+    assert "option redispatch 1" in defaults and "retries 2" in defaults
+    assert "option http-buffer-request" in sections(balancer.render(config()))["backend api"]  # what a retry resends
+
+
+def test_tls_ends_at_the_balancer_with_djev_certs_file_and_http_1_1():
+    cfg = sections(balancer.render(config()))
+    assert cfg["frontend djev"][:2] == ["bind 0.0.0.0:8011", "bind 0.0.0.0:8443 ssl crt /certs/djev.pem alpn http/1.1"]
+    assert "user haproxy" in cfg["global"] and "group haproxy" in cfg["global"]
+    plain = sections(balancer.render(config(https_port=0, user="")))
+    assert plain["frontend djev"][0] == "bind 0.0.0.0:8011" and not any("ssl" in line for line in plain["frontend djev"])
+    assert not any(line.startswith("user") for line in plain["global"])
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(replicas=()), "at least one replica"),
+    (dict(replicas=(balancer.Replica("a", "h", 1), balancer.Replica("a", "h", 2))), "replica ids must differ"),
+    (dict(replicas=(balancer.Replica("gpu 0", "h", 1),)), "replica id 'gpu 0'"),
+    (dict(replicas=(balancer.Replica("a", "h", 70000),)), "port 70000 is not a port"),
+    (dict(crt=""), "an HTTPS port needs the certificate file"),
+    (dict(max_sessions=0), "MAX_SESSIONS must be at least 1"),
+    (dict(user="root; x"), "is not a user name"),
+])
+def test_bad_input_is_refused_by_name(changes, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        balancer.render(config(**changes))
+
+
+def test_the_command_reads_the_replicas_settings_as_djev_serve_does(monkeypatch, capsys):
+    monkeypatch.setenv("MAX_SESSIONS", "7")
+    monkeypatch.setenv("REQUEST_TIMEOUT", "60")
+    assert main(["haproxy-config", "--server", "a=10.0.0.5:9000", "--server", "b=[::1]:9001"]) == 0
+    text = capsys.readouterr().out
+    assert "# Written by: djev haproxy-config --server a=10.0.0.5:9000 --server 'b=[::1]:9001'" in text
+    cfg = sections(text)
+    assert "default-server maxconn 8" in cfg["backend stream"] and "timeout server 90s" in cfg["defaults"]
+    assert "server b [::1]:9001" in cfg["backend api"]
+    assert main(["haproxy-config", "--replicas", "2", "--max-sessions", "9"]) == 0  # a flag wins, as for serve
+    assert "default-server maxconn 10" in sections(capsys.readouterr().out)["backend stream"]
+    assert main(["haproxy-config", "--server", "a=nowhere"]) == 2
+    assert "expected ID=HOST:PORT" in capsys.readouterr().err
+
+
+def test_defaults_come_from_settings():
+    settings = Settings()
+    text = balancer.render(balancer.BalancerConfig(
+        replicas=balancer.replicas_on_ports(1, balancer.FIRST_REPLICA_PORT), max_sessions=settings.limits.max_sessions,
+        request_timeout_s=settings.limits.request_timeout, bind=settings.server.host, http_port=settings.server.port))
+    assert f"default-server maxconn {settings.limits.max_sessions + 1}" in text
+    assert f"bind {settings.server.host}:{settings.server.port}" in text
+
+
+@needs_haproxy
+def test_haproxy_accepts_the_configuration(tmp_path: Path):
+    bundle = tls.ensure_bundle(tmp_path / "certs")
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(balancer.render(config(crt=bundle, user="", stats_port=free_port())))
+    done = subprocess.run([HAPROXY or "haproxy", "-c", "-f", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@needs_haproxy
+def test_with_no_replica_ready_the_balancer_answers_503_in_djevs_envelope(tmp_path: Path):
+    """What a client of djev expects of any answer: the error envelope (wire.md §5), Retry-After,
+    and x-typesafe-request-id (the official clients read it on every answer)."""
+    port, stats = free_port(), free_port()
+    cfg = config(replicas=(balancer.Replica("gone", "127.0.0.1", free_port()),), bind="127.0.0.1", http_port=port,
+                 https_port=0, user="", stats_port=stats)
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(balancer.render(cfg))
+    log = tmp_path / "haproxy.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([HAPROXY or "haproxy", "-db", "-f", str(path)], stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    try:
+        def answer() -> httpx.Response | None:
+            try:
+                return httpx.post(f"http://127.0.0.1:{port}/v1/systemone", json={}, timeout=10)
+            except httpx.TransportError:
+                return None
+
+        response = wait_for("HAProxy to answer", answer, 10, log=lambda: tail(log))
+    finally:
+        stop(process)
+    assert response.status_code == 503
+    body = response.json()
+    assert body["error"]["type"] == "unavailable_error" and body["error"]["param"] is None
+    assert body["detail"] == {"error_type": "unavailable_error", "message": body["error"]["message"]}
+    assert "no djev replica is ready" in body["error"]["message"]
+    assert response.headers["retry-after"] == "1" and response.headers["retry-after-ms"] == "1000"
+    assert re.fullmatch(r"req_[0-9a-f]{24}", response.headers["x-typesafe-request-id"])
