@@ -1,17 +1,21 @@
 """`djev haproxy-config` (app/balancer.py): the HAProxy configuration for djev replicas says what
 docs/deploy.md promises (leastconn, readiness on /health, websockets through a tunnel, cameras
 capped at MAX_SESSIONS + 1 a replica, safe retries, TLS with `djev cert`'s file), HAProxy 2.6
-accepts it, bad input is refused by name, and the balancer's own errors are djev's envelope.
-tests/deploy/test_replicas.py runs it in front of real replicas."""
+accepts it, bad input is refused by name, and the balancer's own errors are djev's envelope; the
+compose profile `replicas` runs one replica per GPU behind the checked-in deploy/haproxy/haproxy.cfg,
+which is what its recorded command writes. tests/deploy/test_replicas.py runs the configuration in
+front of real replicas."""
 
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from app import balancer, tls
 from app.cli import main
@@ -21,6 +25,8 @@ from tests.deploy.replicas import HAPROXY_MISSING, haproxy_executable, stop, tai
 
 HAPROXY = haproxy_executable()
 needs_haproxy = pytest.mark.skipif(HAPROXY is None, reason=HAPROXY_MISSING)
+ROOT = Path(__file__).resolve().parents[2]
+CHECKED_IN = ROOT / "deploy" / "haproxy" / "haproxy.cfg"  # the compose profile's
 
 
 def sections(text: str) -> dict[str, list[str]]:
@@ -160,3 +166,49 @@ def test_with_no_replica_ready_the_balancer_answers_503_in_djevs_envelope(tmp_pa
     assert "no djev replica is ready" in body["error"]["message"]
     assert response.headers["retry-after"] == "1" and response.headers["retry-after-ms"] == "1000"
     assert re.fullmatch(r"req_[0-9a-f]{24}", response.headers["x-typesafe-request-id"])
+
+
+def test_the_compose_profile_runs_one_replica_per_gpu_behind_the_checked_in_config(monkeypatch, capsys, tmp_path):
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    text = CHECKED_IN.read_text()
+    cfg = sections(text)
+    assert "profiles" not in services["djev"]  # `docker compose up` still starts the one server alone
+    replicas = {name: service for name, service in services.items() if name.startswith("djev-gpu")}
+    assert len(replicas) >= 2
+    servers = []
+    for i, name in enumerate(sorted(replicas)):
+        service, env = replicas[name], replicas[name]["environment"]
+        assert service["profiles"] == ["replicas"] and service["command"] == ["serve"]
+        assert service["deploy"]["resources"]["reservations"]["devices"] == [
+            {"driver": "nvidia", "device_ids": [str(i)], "capabilities": ["gpu"]}]  # one GPU a replica
+        assert (env["ENGINE"], env["HOST"], env["TLS_PORT"], env["REPLICA_ID"]) == ("hf", "127.0.0.1", "0", f"gpu{i}")
+        assert f"default-server maxconn {int(env['MAX_SESSIONS']) + 1}" in cfg["backend stream"]
+        assert f"timeout server {int(env['REQUEST_TIMEOUT']) + balancer.TIMEOUT_SLACK_S}s" in cfg["defaults"]
+        assert "${DJEV_CERTS_DIR:-./certs}:/certs:ro" in service["volumes"] and env["CERT_DIR"] == "/certs"
+        servers.append(f"server {env['REPLICA_ID']} 127.0.0.1:{env['STRUCTURED_PORT']}")
+    assert [line for line in cfg["backend api"] if line.startswith("server ")] == servers
+
+    proxy, cert = services["haproxy"], services["djev-cert"]
+    assert proxy["profiles"] == cert["profiles"] == ["replicas"] and proxy["image"] == "haproxy:2.6"
+    assert "./deploy/haproxy/haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro" in proxy["volumes"]
+    assert proxy["depends_on"] == {"djev-cert": {"condition": "service_completed_successfully"},
+                                   **{name: {"condition": "service_started"} for name in replicas}}
+    assert cert["command"] == ["cert", "--cert-dir", "/certs"]
+    assert "bind 0.0.0.0:8443 ssl crt /certs/djev.pem alpn http/1.1" in cfg["frontend djev"]
+    assert proxy["user"] == "root" and "user haproxy" in cfg["global"]  # reads the key, then drops
+
+    # The file is what its recorded command writes today (a changed default shows up here).
+    for name in ("MAX_SESSIONS", "REQUEST_TIMEOUT", "CERT_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    command = re.search(r"^# Written by: (.+)$", text, re.M)
+    assert command is not None
+    argv = shlex.split(command[1])
+    assert argv[:2] == ["djev", "haproxy-config"] and main(argv[1:]) == 0
+    assert capsys.readouterr().out == text, f"write it again: {command[1]} > deploy/haproxy/haproxy.cfg"
+
+    if HAPROXY is not None:  # and HAProxy takes it, with a certificate where compose mounts one
+        bundle = tls.ensure_bundle(tmp_path)
+        (tmp_path / "haproxy.cfg").write_text(text.replace("/certs/djev.pem", bundle).replace("user haproxy\n", "")
+                                              .replace("group haproxy\n", ""))
+        done = subprocess.run([HAPROXY, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
