@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # The top-level folders whose paths the docs cite.
-TOP = ("app", "tests", "bench", "scripts", "docs", "patches", "constraints", "docker")
+TOP = ("app", "tests", "bench", "scripts", "docs", "patches", "constraints", "docker", "deploy")
 
 # A path starts at one of those folders, not inside a longer path (`/tmp/bench_x.json`,
 # `~/.cache/djev-bench/`) or a dotted name; it runs on over path characters and `{a,b}` braces.
