@@ -1,17 +1,21 @@
 """`djev haproxy-config` (app/balancer.py): the HAProxy configuration for djev replicas says what
 docs/deploy.md promises (leastconn, readiness on /health, websockets through a tunnel, cameras
 capped at MAX_SESSIONS + 1 a replica, safe retries, TLS with `djev cert`'s file), HAProxy 2.6
-accepts it, bad input is refused by name, and the balancer's own errors are djev's envelope; the
-compose profile `replicas` runs one replica per GPU behind the checked-in deploy/haproxy/haproxy.cfg,
-which is what its recorded command writes. tests/deploy/test_replicas.py runs the configuration in
-front of real replicas."""
+accepts it, bad input is refused by name, a degraded replica (200 "degraded") keeps its traffic,
+and the balancer's own errors are djev's envelope; the compose profile `replicas` runs one replica
+per GPU behind the checked-in deploy/haproxy/haproxy.cfg, which is what its recorded command
+writes. tests/deploy/test_replicas.py runs the configuration in front of real replicas."""
 
 from __future__ import annotations
 
+import csv
+import io
 import re
 import shlex
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -20,13 +24,17 @@ import yaml
 from app import balancer, tls
 from app.cli import main
 from app.config import Settings
-from app.server import free_port
+from app.server import create_app, free_port
+from app.web.frontdoor import REPLICA_HEADER
+from tests.conftest import live_server
 from tests.deploy.replicas import HAPROXY_MISSING, haproxy_executable, stop, tail, wait_for
+from tests.fakes import ScriptedReader
 
 HAPROXY = haproxy_executable()
 needs_haproxy = pytest.mark.skipif(HAPROXY is None, reason=HAPROXY_MISSING)
 ROOT = Path(__file__).resolve().parents[2]
 CHECKED_IN = ROOT / "deploy" / "haproxy" / "haproxy.cfg"  # the compose profile's
+TICKET = {"state": "x", "samples": 1, "questions": {"urgent": {"type": "noul"}}}
 
 
 def sections(text: str) -> dict[str, list[str]]:
@@ -136,29 +144,64 @@ def test_haproxy_accepts_the_configuration(tmp_path: Path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@needs_haproxy
-def test_with_no_replica_ready_the_balancer_answers_503_in_djevs_envelope(tmp_path: Path):
-    """What a client of djev expects of any answer: the error envelope (wire.md §5), Retry-After,
-    and x-typesafe-request-id (the official clients read it on every answer)."""
-    port, stats = free_port(), free_port()
-    cfg = config(replicas=(balancer.Replica("gone", "127.0.0.1", free_port()),), bind="127.0.0.1", http_port=port,
-                 https_port=0, user="", stats_port=stats)
-    path = tmp_path / "haproxy.cfg"
+@contextmanager
+def haproxy_over(replicas: tuple[balancer.Replica, ...], work: Path) -> Iterator[tuple[str, str]]:
+    """HAProxy in the foreground over `replicas` on a free loopback port; yields (its URL, its stats
+    CSV's URL) once it answers, stopped on the way out."""
+    port = free_port()
+    cfg = config(replicas=replicas, bind="127.0.0.1", http_port=port, https_port=0, user="", stats_port=free_port())
+    path = work / "haproxy.cfg"
     path.write_text(balancer.render(cfg))
-    log = tmp_path / "haproxy.log"
+    log = work / "haproxy.log"
     with open(log, "wb") as out:
         process = subprocess.Popen([HAPROXY or "haproxy", "-db", "-f", str(path)], stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     try:
-        def answer() -> httpx.Response | None:
+        def listening() -> bool:
             try:
-                return httpx.post(f"http://127.0.0.1:{port}/v1/systemone", json={}, timeout=10)
+                httpx.get(f"http://127.0.0.1:{cfg.stats_port}/", timeout=2)
             except httpx.TransportError:
-                return None
+                return False
+            return True
 
-        response = wait_for("HAProxy to answer", answer, 10, log=lambda: tail(log))
+        wait_for("HAProxy to listen", listening, 10, log=lambda: tail(log))
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{cfg.stats_port}/;csv"
     finally:
         stop(process)
+
+
+@needs_haproxy
+def test_a_degraded_replica_is_still_ready(tokenizer, tmp_path: Path):
+    """/health answers 200 with "degraded" for an engine that had to degrade but serves (a card too
+    small for the defaults): HAProxy's check expects 200, so it keeps its traffic."""
+    reader = ScriptedReader(tokenizer)
+    reader.degraded = "CUDA graphs off: capture failed"
+    app = create_app(Settings.of(replica_id="worn"), reader)
+    with live_server(app) as url:
+        health = httpx.get(url + "/health")
+        assert (health.status_code, health.json()["status"]) == (200, "degraded")
+        port = int(url.rsplit(":", 1)[1])
+        with haproxy_over((balancer.Replica("worn", "127.0.0.1", port),), tmp_path) as (proxy, stats):
+            def checked() -> str:  # the api backend's last check of it: L7OK is a 200
+                rows = csv.DictReader(io.StringIO(httpx.get(stats, timeout=2).text.lstrip("# ")))
+                return next(row["check_status"] for row in rows if row["pxname"] == "api" and row["svname"] == "worn")
+
+            def first_check() -> str | None:
+                status = checked()
+                return None if status.lstrip("* ") in ("", "INI") else status
+
+            assert wait_for("HAProxy's first check", first_check, 10) == "L7OK"
+            answers = [httpx.post(proxy + "/v1/systemone", json=TICKET, timeout=10) for _ in range(3)]
+            assert checked() == "L7OK" and "UP" in httpx.get(stats, timeout=2).text
+    assert [(r.status_code, r.headers.get(REPLICA_HEADER)) for r in answers] == [(200, "worn")] * 3
+
+
+@needs_haproxy
+def test_with_no_replica_ready_the_balancer_answers_503_in_djevs_envelope(tmp_path: Path):
+    """What a client of djev expects of any answer: the error envelope (wire.md §5), Retry-After,
+    and x-typesafe-request-id (the official clients read it on every answer)."""
+    with haproxy_over((balancer.Replica("gone", "127.0.0.1", free_port()),), tmp_path) as (proxy, _):
+        response = httpx.post(proxy + "/v1/systemone", json={}, timeout=10)
     assert response.status_code == 503
     body = response.json()
     assert body["error"]["type"] == "unavailable_error" and body["error"]["param"] is None
