@@ -24,6 +24,8 @@ import pytest
 from app.selftest import DECISION
 from app.server import free_port
 from bench.common import vllm_cpu_env
+from tests.processes import stop_group
+from tests.processes import tail as log_tail
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path(os.environ.get("DJEV_VLLM_VENV", REPO / ".venv-vllm")) / "bin" / "python"
@@ -94,25 +96,12 @@ def server_processes(commands: Sequence[Command]) -> Iterator[list[subprocess.Po
 
 
 def stop_process(process: subprocess.Popen, hard: bool = False) -> None:
-    """SIGTERM the process group this test started (vLLM's engine core included), SIGKILL if needed
-    (at once with `hard`: a server dying without warning)."""
-    if process.poll() is not None:
-        return
-    try:
-        os.killpg(process.pid, 9 if hard else 15)
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        process.wait(timeout=30)
-    except ProcessLookupError:
-        pass
+    """The process group this test started stopped (vLLM's engine core included): `stop_group`."""
+    stop_group(process, hard=hard)
 
 
 def tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+    return log_tail(path, lines, missing="(no log)")
 
 
 def vllm_openai_command(python: Path, checkpoint: Path, log_dir: Path, name: str) -> Command:

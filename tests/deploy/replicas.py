@@ -22,6 +22,7 @@ import httpx
 from app import balancer
 from app.server import free_port
 from app.web.frontdoor import REPLICA_HEADER
+from tests.processes import stop_group, tail
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -74,23 +75,7 @@ def wait_for(what: str, check: Callable[[], T | None], timeout: float, every: fl
 
 def stop(process: subprocess.Popen, grace: float = 5.0) -> None:
     """SIGTERM to the process group, then SIGKILL past `grace` seconds."""
-    if process.poll() is not None:
-        return
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=grace)
-    except ProcessLookupError:
-        pass
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+    stop_group(process, grace)
 
 
 @dataclass
