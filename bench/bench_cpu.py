@@ -147,26 +147,27 @@ class RemoteStats:
         return stats
 
 
-def _serve(which: str, checkpoint: Path, port: int, threads: int) -> None:
+def _serve(which: str, checkpoint: Path, port: int, threads: int, flat: bool = False) -> None:
     """A server process's body: the real app on its own tiny reader (`tiny_server`'s settings), or the
     floor app, served as `djev serve` serves (app.server.serve_app: the same uvicorn options)."""
     from app.server import create_app, serve_app
 
     set_torch_threads(threads)
-    config = Settings.of(host="127.0.0.1", port=port, pages=False, log_level="warning")
+    config = Settings.of(host="127.0.0.1", port=port, pages=False, log_level="warning", flat_turn=flat)
     app = create_app(config, tiny_reader(checkpoint, config)) if which == "djev" else floor_app()
     asyncio.run(serve_app(app, config))
 
 
 @contextmanager
-def server_process(which: str, checkpoint: Path, threads: int) -> Iterator[str]:
+def server_process(which: str, checkpoint: Path, threads: int, flat: bool = False) -> Iterator[str]:
     """`_serve` in a spawned process on a free port; yields its base URL once it answers."""
     import httpx
 
     from app.server import free_port
 
     port = free_port()
-    process = get_context("spawn").Process(target=_serve, args=(which, checkpoint, port, threads), daemon=True)
+    process = get_context("spawn").Process(target=_serve, args=(which, checkpoint, port, threads, flat),
+                                         daemon=True)
     process.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -203,14 +204,14 @@ def floor_app() -> Any:
 
 
 async def single_decision(url: str, server_reader: Any, checkpoint: Path, reads: int, warmup: int,
-                          floor_url: str) -> dict[str, Any]:
+                          floor_url: str, flat: bool = False) -> dict[str, Any]:
     """Engine read vs in-process decision vs HTTP (and the transport floor), interleaved, for both
     conditions."""
     import httpx
 
     from app.decisions.run import Decider
 
-    reader = tiny_reader(checkpoint)  # in-process: its own reader in this event loop
+    reader = tiny_reader(checkpoint, Settings.of(flat_turn=flat))  # in-process: its own reader in this event loop
     await reader.start()
     try:
         async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S) as client, \
@@ -397,6 +398,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--server", choices=("process", "thread"), default="process",
                         help="the djev server and the floor app in their own processes (default; as `djev serve` "
                              "runs) or in threads of the bench process (the earlier harness)")
+    parser.add_argument("--flat-turn", action="store_true",
+                        help="the hf engine's flat turn (FLAT_TURN=1) in the server and in process")
     parser.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if not args.levels or min(args.levels) < 1:
@@ -411,23 +414,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     checkpoint = tiny_checkpoint()
     with ExitStack() as stack:
         if args.server == "process":
-            url = stack.enter_context(server_process("djev", checkpoint, threads))
+            url = stack.enter_context(server_process("djev", checkpoint, threads, args.flat_turn))
             floor_url = stack.enter_context(server_process("floor", checkpoint, threads))
             server_reader: Any = RemoteStats(url)
         else:
-            url, server_reader = stack.enter_context(tiny_server(checkpoint))
+            url, server_reader = stack.enter_context(tiny_server(checkpoint, flat_turn=args.flat_turn))
             floor_url = stack.enter_context(live_server(floor_app()))
-        single = asyncio.run(single_decision(url, server_reader, checkpoint, args.reads, args.warmup, floor_url))
+        single = asyncio.run(single_decision(url, server_reader, checkpoint, args.reads, args.warmup, floor_url,
+                                             args.flat_turn))
         curve = concurrency_curve(url, server_reader, args.levels, args.seconds)
     print(header("bench_cpu: engine vs decision vs HTTP, and concurrency (tiny model)", info))
-    print(f"server: {'its own process (as `djev serve`)' if args.server == 'process' else 'a thread of this process'}")
+    print(f"server: {'its own process (as `djev serve`)' if args.server == 'process' else 'a thread of this process'}"
+          f"; hf turn: {'flat (FLAT_TURN=1)' if args.flat_turn else 'rows'}")
     print()
     print(report(single, curve))
     if args.json_out:
         path = write_json(args.json_out, {"machine": info, "model": "tiny random-weight (app/engine/tiny.py)",
                                           "args": {"seconds": args.seconds, "levels": args.levels,
                                                    "reads": args.reads, "warmup": args.warmup,
-                                                   "server": args.server,
+                                                   "server": args.server, "flat_turn": args.flat_turn,
                                                    "torch_threads": threads},
                                           "single": single, "curve": curve})
         print(f"\nresults: {path}")
