@@ -238,9 +238,10 @@ class HFSettings:
         "FLAT_TURN", "hf: 1 runs each engine turn as one forward over a flat batch of every queued read's and "
         "generation's new tokens (prompt chunks and canvases together), the prompts' KV in shared blocks "
         "(docs/design.md §4.10); 0 = the row path, the default until the flat turn's GPU A/B"))
-    turn_tokens: int = field(default=8192, metadata=_meta(
+    turn_tokens: int = field(default=0, metadata=_meta(
         "TURN_TOKENS", "hf, FLAT_TURN=1: the most new tokens (prompt chunks and canvases) one engine turn takes; "
-        "what does not fit waits for the next turn in its place (at least 1024)"))
+        "what does not fit waits for the next turn in its place (at least 1024; 0 = 8192 on CUDA, 2048 on the "
+        "CPU, where a turn of the tiny model costs ~0.3 ms a token: a steady client waits at most one turn)"))
 
     def problems(self) -> list[str]:
         problems = ["MAX_BATCH_ROWS must be at least 1"] if self.max_batch_rows < 1 else []
@@ -248,7 +249,7 @@ class HFSettings:
             problems.append(f"BATCH_GATHER_ROWS must be at least 0, not {self.batch_gather_rows}")
         if self.prefill_chunk < 16:
             problems.append(f"PREFILL_CHUNK must be at least 16 tokens, not {self.prefill_chunk}")
-        if self.turn_tokens < 1024:
+        if self.turn_tokens and self.turn_tokens < 1024:
             problems.append(f"TURN_TOKENS must be at least 1024 tokens (a widest canvas beside an image), not "
                             f"{self.turn_tokens}")
         if not self.prompt_cache_gb >= 0:

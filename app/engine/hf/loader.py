@@ -119,7 +119,7 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         max_images=options.max_images,
         prefill_chunk=options.prefill_chunk,
         kv_bytes=plan.prompt_cache_bytes if plan is not None else options.prompt_cache_bytes,
-        turn_tokens=options.turn_tokens if options.flat_turn else 0,
+        turn_tokens=flat_turn_tokens(options.turn_tokens, on_cuda) if options.flat_turn else 0,
         graph_slots=(plan.decoder_slots, plan.encoder_slots) if plan is not None else None,
     )
     if options.fused_moe and on_cuda:
@@ -194,6 +194,18 @@ def prompt_kv_bytes(model: DiffusionGemmaForBlockDiffusion, tokens: int) -> int:
         per_token = 2 * attention.k_proj.out_features * element  # keys and values: heads x head dim
         total += per_token * (min(tokens, window - 1) if kind == "sliding_attention" else tokens)
     return total
+
+
+# TURN_TOKENS=0: a flat turn's budget by the device. On the CPU a turn of the tiny model costs about
+# 0.3 ms a token, so 2048 keeps a steady client's wait near half a second; on CUDA 8192 tokens are
+# ~100 ms at the H200's compute floor (about 6 GFLOP a token).
+CUDA_TURN_TOKENS = 8192
+CPU_TURN_TOKENS = 2048
+
+
+def flat_turn_tokens(requested: int, on_cuda: bool) -> int:
+    """The flat turn's token budget: TURN_TOKENS where set, else by the device."""
+    return requested or (CUDA_TURN_TOKENS if on_cuda else CPU_TURN_TOKENS)
 
 
 def token_kv_bytes(model: DiffusionGemmaForBlockDiffusion) -> int:

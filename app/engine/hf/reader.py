@@ -84,7 +84,7 @@ class HFOptions:
     prompt_cache_bytes: int = 0  # the bytes the prompt LRU may hold (0: bounded by entries only)
     gather_rows: int = 32  # the most canvases a gather waits for (0: the last batch's count)
     flat_turn: bool = False  # each turn one forward over a flat batch (app/engine/hf/flat/)
-    turn_tokens: int = 8192  # the flat turn's token budget
+    turn_tokens: int = 0  # the flat turn's token budget (0: by the device, `flat_turn_tokens`)
 
 
 def settle_heap() -> None:
