@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generator, Protocol, Sequence
 
-from app.engine.hf.flat.attention import ReferenceAttention
+from app.engine.hf.flat.attention import ReferenceAttention, SegmentAttention
 from app.engine.hf.flat.blocks import KVStore, LayerShape
 from app.engine.hf.flat.forward import FlatForward
 from app.engine.hf.flat.layout import Kind
@@ -87,7 +87,9 @@ class FlatEngine:
         self.budget = budget
         self.store = KVStore(shapes, window, store_bytes, runner.device, model.dtype,
                              preallocate=runner.device.type == "cuda")
-        self.attention = ReferenceAttention(self.store, window)
+        # CUDA: every segment of a layer in one Triton launch; elsewhere SDPA segment by segment.
+        self.attention: ReferenceAttention | SegmentAttention = (
+            SegmentAttention(self.store, window) if runner.device.type == "cuda" else ReferenceAttention(self.store, window))
         self.forward = FlatForward(model, self.store, self.attention)
         self.turn = FlatTurn(self.forward, self.store, runner.device)
         self.prepared: set[int] = set()  # ids of the programs adopted
