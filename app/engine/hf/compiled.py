@@ -53,11 +53,12 @@ def configure_thread() -> None:
     config.suppress_errors = True
 
 
-def compile_layers(model: DiffusionGemmaForBlockDiffusion, backend: str = "inductor") -> int:
+def compile_layers(model: DiffusionGemmaForBlockDiffusion, backend: str = "inductor", *, text: bool = True) -> int:
     """Give every text layer the split forward with its two pieces compiled (app/engine/hf/layers.py),
-    and every vision encoder layer its forward compiled; returns how many text layers. Configures
-    the calling thread (`configure_thread`); other threads that run the model must configure
-    themselves."""
+    and every vision encoder layer its forward compiled; returns how many text layers (0 with `text`
+    False: the flat turn, whose forward runs the layers' pieces itself, compiles the vision layers
+    alone). Configures the calling thread (`configure_thread`); other threads that run the model must
+    configure themselves."""
     import functools
 
     import torch
@@ -65,9 +66,10 @@ def compile_layers(model: DiffusionGemmaForBlockDiffusion, backend: str = "induc
     from app.engine.hf.layers import install, install_vision
 
     configure_thread()
-    layers = model_layers(model)
+    layers = model_layers(model) if text else []
     compiled = functools.partial(torch.compile, backend=backend, dynamic=None)
-    install(layers, compile=compiled)
+    if layers:
+        install(layers, compile=compiled)
     vision = vision_layers(model)
     install_vision(vision, compile=compiled)
     log.info("torch.compile (%s) on the %d text layers' attention inputs and feed-forward halves and the %d "

@@ -87,7 +87,8 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
     if compiled:
         from app.engine.hf.compiled import compile_layers
 
-        compile_layers(model)
+        # The flat turn runs the text layers' pieces under its own graphs, eagerly: the vision layers alone.
+        compile_layers(model, text=not options.flat_turn)
     else:  # the encoder's attention through `attend` eagerly: a long prompt's chunks need its chunk path
         from app.engine.hf.layers import install
         from app.engine.hf.parts import encoder_layers
@@ -127,13 +128,14 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
 
         report("compiling the expert kernels", 0, 1)
         log.info("every expert kernel tile compiled in %.1f s", warm_up_experts(model))
-    if compiled:
+    if compiled or (runner.flat is not None and on_cuda):  # the flat turn's Triton kernels compile here too
         from app.engine.hf.compiled import warm_up
 
         report("compiling", 0, 1)
-        log.info("compiling the model's layers before the first request (TORCH_COMPILE) ...")
+        log.info("compiling the model's layers and kernels before the first request ...")
         log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
-    graph_bytes = prepare_graphs(runner, report) if runner.graphs is not None else 0
+    graphs = runner.graphs is not None or runner.vision_graphs is not None
+    graph_bytes = prepare_graphs(runner, report) if graphs else 0
     # torch.compile's stance stays "default": under "eager_on_recompile" the passes that run outside
     # the graphs (the counted fallbacks, the large encoder passes, the chunks of long prompts) ran
     # their pieces eagerly, 4x slower on the H200, while no recompile happened under "default" in

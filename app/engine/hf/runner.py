@@ -163,8 +163,6 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         self.encoder_graphs: EncoderGraphs | None = None
         self.graphs_left_out: dict[str, int] = {}  # by kind: shapes `prepare_graphs` could not hold
         self.vision_graphs: VisionGraphs | None = None
-        if cuda_graphs and device.type == "cuda":
-            self.use_graphs(capture=True)
         # FLAT_TURN: each engine turn one forward over a flat batch of `turn_tokens` tokens at most, the
         # prompts' KV in the flat engine's blocks (app/engine/hf/flat/); 0: the row path.
         self.flat: FlatEngine | None = None
@@ -172,10 +170,13 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
             from app.engine.hf.flat.engine import FlatEngine
 
             self.flat = FlatEngine(self, budget=turn_tokens, store_bytes=kv_bytes or FLAT_STORE_BYTES)
+        if cuda_graphs and device.type == "cuda":
+            self.use_graphs(capture=True)
 
     def use_graphs(self, *, capture: bool) -> None:
         """Give the runner its decoder, encoder and vision graphs over one memory pool (with
-        `capture=False`, the same static-buffer paths run eagerly: how the CPU tests check them)."""
+        `capture=False`, the same static-buffer paths run eagerly: how the CPU tests check them). On
+        the flat turn, the vision graphs alone."""
         from app.engine.hf.graphs.decoder import DecoderGraphs
         from app.engine.hf.graphs.encoder import EncoderGraphs
         from app.engine.hf.graphs.vision import VisionGraphs
@@ -185,6 +186,8 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         if getattr(model.model.encoder, "vision_tower", None) is not None:
             self.vision_graphs = VisionGraphs(model, self.device, capture=capture, stats=self.stats, pool=pool,
                                               buckets=self.policy.image_buckets)
+        if self.flat is not None:  # the flat turn has its own graphs, by token count (app/engine/hf/flat/pieces.py)
+            return
         self.graphs = DecoderGraphs(model, self.layer_types, self.device, pad_id=self.pad_id, capture=capture,
                                     policy=self.policy, stats=self.stats, pool=pool)
         self.encoder_graphs = EncoderGraphs(model, self.layer_types, self.device, capture=capture, policy=self.policy,

@@ -179,3 +179,14 @@ def test_compile_limits_are_set_on_the_calling_thread_and_the_engine_thread():
 
     assert asyncio.run(engine_thread_limit(on_cuda=True)) >= compiled.RECOMPILE_LIMIT
     assert asyncio.run(engine_thread_limit(on_cuda=False)) < compiled.RECOMPILE_LIMIT  # the CPU engine never compiles
+
+
+def test_the_flat_turn_compiles_the_vision_layers_alone(tiny_dir):
+    runner = make_tiny_reader(tiny_dir, flat_turn=True).runner
+    assert compiled.compile_layers(runner.model, backend="aot_eager", text=False) == 0
+    from app.engine.hf.parts import decoder_layers
+
+    # (the encoder's layers have the eager split forward every reader gives them: a long prompt's chunks)
+    assert not any(getattr(layer.forward, "djev_split", False) for layer in decoder_layers(runner.model))
+    vision = compiled.vision_layers(runner.model)
+    assert vision and all(getattr(layer.forward, "djev_split", False) for layer in vision)

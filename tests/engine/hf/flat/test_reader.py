@@ -252,3 +252,11 @@ def test_the_turn_budget_is_turn_tokens_or_by_the_device(tiny_dir):
     assert flat_turn_tokens(4096, on_cuda=False) == 4096
     assert make_tiny_reader(tiny_dir, flat_turn=True).runner.flat.budget == CPU_TURN_TOKENS
     assert make_tiny_reader(tiny_dir, flat_turn=True, turn_tokens=3000).runner.flat.budget == 3000
+
+
+def test_the_flat_turn_keeps_the_vision_graphs_and_none_of_the_row_paths(tiny_dir):
+    runner = make_tiny_reader(tiny_dir, flat_turn=True).runner
+    runner.use_graphs(capture=False)  # the static-buffer paths, run eagerly on the CPU
+    assert runner.vision_graphs is not None  # images still go through the tower's graphs by frame count
+    assert runner.graphs is None and runner.encoder_graphs is None  # the flat turn's own graphs are by token count
+    assert set(runner.prepare_graphs()) == {"vision"}
