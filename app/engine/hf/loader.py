@@ -136,6 +136,11 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
     graphs = runner.graphs is not None or runner.vision_graphs is not None
     graph_bytes = prepare_graphs(runner, report) if graphs else 0
+    if runner.flat is not None:
+        report("capturing the flat turn's graphs", 0, 1)
+        flat_graphs = runner.flat.prepare_graphs()  # logs its line: buckets x pieces, memory, seconds
+        if flat_graphs is not None:
+            graph_bytes += flat_graphs.memory_bytes + flat_graphs.buffer_bytes
     # torch.compile's stance stays "default": under "eager_on_recompile" the passes that run outside
     # the graphs (the counted fallbacks, the large encoder passes, the chunks of long prompts) ran
     # their pieces eagerly, 4x slower on the H200, while no recompile happened under "default" in

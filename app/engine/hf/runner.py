@@ -169,7 +169,8 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
         if turn_tokens:
             from app.engine.hf.flat.engine import FlatEngine
 
-            self.flat = FlatEngine(self, budget=turn_tokens, store_bytes=kv_bytes or FLAT_STORE_BYTES)
+            self.flat = FlatEngine(self, budget=turn_tokens, store_bytes=kv_bytes or FLAT_STORE_BYTES,
+                                   graphs=cuda_graphs and device.type == "cuda")
         if cuda_graphs and device.type == "cuda":
             self.use_graphs(capture=True)
 

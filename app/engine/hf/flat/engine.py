@@ -16,6 +16,7 @@ from app.engine.hf.flat.attention import ReferenceAttention, SegmentAttention
 from app.engine.hf.flat.blocks import KVStore, LayerShape
 from app.engine.hf.flat.forward import FlatForward
 from app.engine.hf.flat.layout import Kind
+from app.engine.hf.flat.pieces import GraphReport, PiecewiseConfig
 from app.engine.hf.flat.prompts import PromptState, prepare
 from app.engine.hf.flat.scheduler import compose
 from app.engine.hf.flat.turn import FlatTurn, Part
@@ -75,7 +76,9 @@ class TurnReport:
 class FlatEngine:
     """The store, attention, forward and turn of one model, and the step that drives them."""
 
-    def __init__(self, runner: Host, *, budget: int, store_bytes: int) -> None:
+    def __init__(self, runner: Host, *, budget: int, store_bytes: int, graphs: bool = False) -> None:
+        """`graphs`: the forward's pieces captured as CUDA graphs by token count (`prepare_graphs`,
+        before `ready`); without, every turn runs the forward eagerly."""
         model = runner.model
         shapes = []
         for layer, kind in zip(encoder_layers(model), layer_types(model)):
@@ -90,13 +93,20 @@ class FlatEngine:
         # CUDA: every segment of a layer in one Triton launch; elsewhere SDPA segment by segment.
         self.attention: ReferenceAttention | SegmentAttention = (
             SegmentAttention(self.store, window) if runner.device.type == "cuda" else ReferenceAttention(self.store, window))
-        self.forward = FlatForward(model, self.store, self.attention)
+        pieces = PiecewiseConfig.for_budget(budget, capture=True) if graphs else None
+        self.forward = FlatForward(model, self.store, self.attention, graphs=pieces, stats=runner.stats)
         self.turn = FlatTurn(self.forward, self.store, runner.device)
         self.prepared: set[int] = set()  # ids of the programs adopted
         # Generations stepped through the runner's own calls (`start_generation`), by their Generation,
         # and the chunk a turn gave before its caller asked for it.
         self.generations: dict[int, GenerateProgram] = {}
         self.waiting: dict[int, list[GenerateChunk]] = {}
+
+    def prepare_graphs(self) -> GraphReport | None:
+        """Capture the forward's pieces for every token-count bucket, then freeze them: nothing is
+        captured after this (a turn no bucket holds runs eagerly, counted). None without graphs."""
+        graphs = self.forward.graphs
+        return graphs.capture_all() if graphs is not None else None
 
     def step(self, queue: Sequence[Entry]) -> TurnReport:
         """One engine turn over `queue` (in its fair order): the new programs prepared, the turn
