@@ -75,6 +75,7 @@ def build_reader(args: argparse.Namespace) -> Any:
     from app.build import hf_options, prompt_limit
     from app.config import Settings
     from app.engine.base import ReaderInfo
+    from app.engine.hf.loader import flat_turn_tokens
     from app.engine.hf.reader import HFReader
     from app.engine.hf.runner import DiffusionRunner
     from app.engine.tokenizer import HFChatTokenizer
@@ -85,7 +86,8 @@ def build_reader(args: argparse.Namespace) -> Any:
     options = hf_options(settings, served_name(args.tiny), tiny=args.tiny)
     runner = DiffusionRunner(model, processor, device=torch.device(args.device), max_prompt_tokens=prompt_limit(settings),
                              kv_entries=settings.hf.kv_cache_entries, max_rows=settings.hf.max_batch_rows,
-                             cuda_graphs=not args.eager)
+                             cuda_graphs=not args.eager,
+                             turn_tokens=flat_turn_tokens(0, args.device.startswith("cuda")) if args.flat_turn else 0)
     config = model.config
     tokenizer = HFChatTokenizer(hf_tokenizer, vocab_size=int(config.text_config.vocab_size),
                                 image_token_id=int(config.image_token_id))
@@ -322,7 +324,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.compile:  # after the naive baseline, which is the library's plain path
         from app.engine.hf.compiled import compile_layers
 
-        compile_layers(model)
+        compile_layers(model, text=not args.flat_turn)
+    flat = reader.runner.flat
+    if flat is not None and on_cuda and not args.eager:  # the flat turn's graphs by token count, as at start-up
+        flat.prepare_graphs()
     await reader.start()
     decider = Decider(reader, build.read_settings(settings))
     rng = random.Random(0)
@@ -558,6 +563,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eager-levels", type=numbers(int), default="32",
                         help="client counts of the threshold sweep (default 32)")
     parser.add_argument("--compile", action="store_true", help="compile the layer bodies (TORCH_COMPILE=1)")
+    parser.add_argument("--flat-turn", action="store_true",
+                        help="the hf engine's flat turn (FLAT_TURN=1): one forward a turn, its graphs by token count")
     parser.add_argument("--fused-moe", action="store_true", help="the experts as djev's Triton kernels (FUSED_MOE=1)")
     parser.add_argument("--turnaround", action="store_true",
                         help="only the closed loop at --levels over an engine that answers at once: the decisions' "
@@ -634,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     results = asyncio.run(measure(args))
     print()
     mode = ("eager decoder passes" if args.eager else "CUDA-graph decoder passes") + \
-        f", vision attention {args.vision_attention} first"
+        f", vision attention {args.vision_attention} first" + (", the flat turn" if args.flat_turn else "")
     print(header(f"bench_gpu_decisions: whole decisions through Decider + HFReader ({mode})", info))
     print()
     print(report(results, args))

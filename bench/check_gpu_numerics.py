@@ -18,6 +18,9 @@ static path.
     python bench/check_gpu_numerics.py --split      # every path through the split layer forward that
                                                     # TORCH_COMPILE compiles (app/engine/hf/layers.py, run
                                                     # eagerly here), and those reads against the library's
+    python bench/check_gpu_numerics.py --flat-turn  # the flat turn (FLAT_TURN=1) too: alone against the
+                                                    # row path's reads alone, batched, and its graphs by
+                                                    # token count against its eager forward
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def main() -> None:
     device = torch.device("cuda")
     fused = "--fused-moe" in sys.argv[1:]
     split = "--split" in sys.argv[1:]
-    sizes = [arg for arg in sys.argv[1:] if arg not in ("--fused-moe", "--split")]
+    flat = "--flat-turn" in sys.argv[1:]
+    sizes = [arg for arg in sys.argv[1:] if arg not in ("--fused-moe", "--split", "--flat-turn")]
     for layers, dtype in [(int(n), getattr(torch, t)) for n, t in (c.split(":") for c in sizes)] or \
             ((6, torch.float32), (6, torch.bfloat16), (30, torch.bfloat16)):
         model = build_model(full_config(num_hidden_layers=layers), "cuda", dtype, "grouped_mm")
@@ -119,8 +123,35 @@ def main() -> None:
               f"captured {graphed.encoder_graphs.captures}, failed: {dict(graphed.encoder_graphs.cache.failed)})", flush=True)
         check_prefix(runner)
         check_vision(model, device)
+        if flat:
+            check_flat(model, device, reads, alone)
         del model, plain, encoder_static, both_static, graphed
         torch.cuda.empty_cache()
+
+
+def check_flat(model, device, reads, alone) -> None:
+    """The flat turn: each read alone against the row path's read alone, all of them in one turn
+    against alone, and the same through the graphs by token count against the eager forward."""
+    from app.engine.hf.runner import DiffusionRunner
+
+    def flat_runner(graphs: bool):
+        made = DiffusionRunner(model, None, device=device, max_prompt_tokens=32768, kv_entries=64, max_rows=64,
+                               cuda_graphs=graphs, turn_tokens=8192)
+        assert made.flat is not None
+        made.flat.prepare_graphs()  # (nothing without graphs)
+        return made
+
+    eager = flat_runner(graphs=False)
+    flat_alone = [eager.read([spec])[0] for spec in reads]
+    together = eager.read(reads)
+    graphed = flat_runner(graphs=True)
+    graph_alone = [graphed.read([spec])[0] for spec in reads]
+    graph_together = graphed.read(reads)
+    print("  flat turn alone vs row path alone ", [largest_difference(a, b) for a, b in zip(alone, flat_alone)])
+    print("  flat turn batched vs alone        ", [largest_difference(a, b) for a, b in zip(flat_alone, together)])
+    print("  flat graphs vs flat eager, alone  ", [largest_difference(a, b) for a, b in zip(flat_alone, graph_alone)])
+    print("  flat graphs batched vs eager      ", [largest_difference(a, b) for a, b in zip(together, graph_together)],
+          f"(graph fallbacks {graphed.stats.get('flat_graph_fallbacks', 0)})", flush=True)
 
 
 def check_prefix(runner) -> None:
