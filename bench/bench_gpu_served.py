@@ -20,9 +20,16 @@ websockets in each; every state and frame unique, frames encoded before the cloc
       age (receipt - send of the answered frame), sessions refused at open (1013; a refused camera
       asks again as the walk page does, 2 s, 4 s, ... jittered), answers/s per admitted session over
       the time it was open; `next_frame_ms` in results is honoured as the page does (after the send);
-  (f) a steady ticket client, alone for a fifth of the row, then beside heavy requests (a long state,
-      255 options x 8 questions, 200 questions, a big think budget, steps 8 x samples 32): its
-      p50/p99/max; a heavy request the server refuses is recorded, not fatal.
+  (f) a burst: a steady ticket client, alone for a fifth of the row, then beside --heavy-copies of
+      every heavy kind sent at once (a long state, 255 options x 8 questions, 200 questions, a big think
+      budget, steps 8 x samples 32; each copy sends again when answered until the row's seconds end).
+      A heavy request waits up to --heavy-timeout for its answer, and the row waits for the last one
+      (the steady client sending on), so the row lasts its seconds and the burst's tail. Reported: the
+      steady client's p50/p99/max alone and beside the heavy requests; per heavy kind, the requests
+      sent, answered, timed out at the client and refused (by status), their p50 and max; whether the
+      burst was answered in full. A heavy request the server refuses is recorded, not fatal; the
+      timeout is cut to fit --deadline (the report says so), so give the burst a run of its own
+      (--rows f) to let it wait the whole --heavy-timeout.
 Before and after each row /metrics is read and the deltas of the engine counters whose names hold
 capture, compile, fallback, recompile, graph or retries are reported, so a compile after ready (or the
 allocator freeing its cache to find memory) shows.
@@ -32,6 +39,7 @@ $OUT/camera_curve.png (row e), and the server's log $OUT/bench_gpu_served.server
 
     python bench/bench_gpu_served.py            # full run on CUDA (about 7-9 minutes with start-up)
     python bench/bench_gpu_served.py --quick    # fewer levels, 5 s rows: within 4 minutes
+    python bench/bench_gpu_served.py --rows f --no-stages --heavy-copies 4   # the burst alone
     python bench/bench_gpu_served.py --tiny --device cpu --seconds 1 --workers 4 --sheet-clients 2 \\
         --ticket-clients 2 --walk-clients 2 --closed-cameras 1 --open-cameras 1,2   # CPU smoke test
 """
@@ -142,16 +150,18 @@ class ClientPool:
         self.count = count
         self.conns: list[Any] = []
         self.processes: list[Any] = []
+        self.heavy_left: Any = None  # row (f)'s heavy clients still running, across the processes
         self.start()
 
     def start(self) -> None:
         ClientPool.generation += 1
         context = multiprocessing.get_context("spawn")
         self.conns, self.processes = [], []
+        self.heavy_left = context.Value("i", 0)
         for index in range(self.count):
             parent, child = context.Pipe()
-            process = context.Process(target=worker_main, args=(child, index, f"g{ClientPool.generation}w{index}"),
-                                      daemon=True, name=f"bench-client-{index}")
+            process = context.Process(target=worker_main, daemon=True, name=f"bench-client-{index}",
+                                      args=(child, index, f"g{ClientPool.generation}w{index}", self.heavy_left))
             process.start()
             child.close()
             self.conns.append(parent)
@@ -181,6 +191,7 @@ class ClientPool:
 
     def run(self, specs: Sequence[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
         """One row: every process prepares (frames), then all start at one moment; their tallies."""
+        self.heavy_left.value = sum(len(spec.get("heavy", ())) for spec in specs)
         for conn, spec in zip(self.conns, specs):
             conn.send(spec)
         self.collect("prepared", 180.0)
@@ -235,7 +246,8 @@ def plan(args: argparse.Namespace) -> list[Row]:
     rows += [Row("d", "cameras, closed loop (/v1/stream)", "camera_closed", n, twin="walk") for n in args.closed_cameras]
     rows += [Row("e", "cameras at 2 fps (/v1/stream)", "camera_open", n, twin="cameras_open") for n in args.open_cameras]
     if args.steady:
-        rows.append(Row("f", "steady ticket client beside heavy requests", "steady", 1 + len(HEAVY_KINDS)))
+        rows.append(Row("f", "steady ticket client beside heavy requests", "steady",
+                        1 + len(HEAVY_KINDS) * args.heavy_copies))
     if args.rows:
         rows = [row for row in rows if row.key in args.rows]
     # Each row once per interval (and gather cap), one after the other, so the runs of an A/B meet
@@ -252,17 +264,42 @@ def plan(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def worker_specs(row: Row, number: int, args: argparse.Namespace, url: str, api_key: str) -> list[dict[str, Any]]:
+def heavy_assignment(kinds: Sequence[str], copies: int, workers: int) -> list[list[str]]:
+    """Row (f)'s heavy clients by client process: every kind `copies` times, dealt round the processes
+    after the first (the steady client has process 0 to itself where there are two or more), a kind's
+    copies on different processes where there are enough."""
+    heavy: list[list[str]] = [[] for _ in range(workers)]
+    for index, kind in enumerate(kind for _ in range(copies) for kind in kinds):
+        heavy[1 + index % (workers - 1) if workers > 1 else 0].append(kind)
+    return heavy
+
+
+def heavy_timeout_s(wanted: float, seconds: float, left_s: float) -> float:
+    """Row (f)'s client timeout for a heavy request: `wanted` (--heavy-timeout), cut so that a heavy
+    request sent at the end of the row's seconds is answered or given up before the deadline
+    (`left_s` away, less what the steps after the rows need), but not below the row's seconds (the
+    hard stop past the deadline still holds)."""
+    return min(wanted, max(seconds, left_s - seconds - ROW_OVERHEAD_S))
+
+
+def after_rows_s(args: argparse.Namespace) -> float:
+    """What the stage timing after the rows needs of the deadline: row (f)'s wait for its heavy answers
+    leaves it that."""
+    return len(STAGE_RUNS) * (args.twin_seconds + ROW_OVERHEAD_S) if args.stages else 0.0
+
+
+def worker_specs(row: Row, number: int, args: argparse.Namespace, url: str, api_key: str,
+                 heavy_timeout: float = 0.0) -> list[dict[str, Any]]:
+    """Each client process's share of a row; row (f)'s heavy requests wait up to `heavy_timeout` s."""
     workers = args.workers
     common = {"kind": row.kind, "seconds": args.seconds, "base_url": url, "api_key": api_key, "request": row.request}
     if row.kind != "steady":
         return [{**common, "clients": n, "tag": f"r{number}w{index}"} for index, n in enumerate(shares(row.clients, workers))]
-    heavy: list[list[str]] = [[] for _ in range(workers)]
-    for index, kind in enumerate(HEAVY_KINDS):  # the steady client has process 0 to itself where it can
-        heavy[1 + index % (workers - 1) if workers > 1 else 0].append(kind)
+    heavy = heavy_assignment(HEAVY_KINDS, args.heavy_copies, workers)
     params = {"state_tokens": args.heavy_tokens, "think": args.heavy_think}
     return [{**common, "clients": len(heavy[index]) + (index == 0), "tag": f"r{number}w{index}", "steady": index == 0,
-             "heavy": heavy[index], "alone_s": args.seconds / 5, "params": params} for index in range(workers)]
+             "heavy": heavy[index], "alone_s": args.seconds / 5, "heavy_timeout_s": heavy_timeout, "params": params}
+            for index in range(workers)]
 
 
 def ms(seconds: Sequence[float]) -> dict[str, float]:
@@ -275,6 +312,40 @@ def closed_summary(tally: dict[str, Any]) -> dict[str, Any]:
     elapsed = tally["elapsed"] or float("nan")
     return {"requests": len(tally["latencies"]), "per_s": len(tally["latencies"]) / elapsed, **ms(tally["latencies"]),
             "errors": tally["errors"], "counts": tally["counts"], "elapsed_s": round(tally["elapsed"], 2)}
+
+
+def heavy_summary(tally: dict[str, Any]) -> dict[str, Any]:
+    """A heavy kind's requests in row (f): the closed-loop figures, and how each request sent ended:
+    answered (200), timed out at the client, refused (by status), or otherwise (an exception, cancelled
+    at the row's end)."""
+    sent = tally["counts"].get("sent", 0)
+    answered = len(tally["latencies"])
+    timed_out = tally["errors"].get("timeout", 0)
+    refused = {key: count for key, count in tally["errors"].items() if key.isdigit()}
+    return {**closed_summary(tally), "sent": sent, "answered": answered, "timed_out": timed_out, "refused": refused,
+            "other": sent - answered - timed_out - sum(refused.values())}
+
+
+def burst_summary(heavy: dict[str, dict[str, Any]], kinds: Sequence[str]) -> dict[str, Any]:
+    """Row (f)'s burst over every heavy kind (`heavy`: heavy_summary by kind): the requests sent and
+    how they ended, the kinds never sent, and whether it was answered in full (every kind sent, every
+    request sent answered)."""
+    totals = {key: sum(q[key] for q in heavy.values()) for key in ("sent", "answered", "timed_out", "other")}
+    refused = sum(sum(q["refused"].values()) for q in heavy.values())
+    not_sent = [kind for kind in kinds if not heavy.get(kind, {}).get("sent")]
+    return {**totals, "refused": refused, "kinds_not_sent": not_sent,
+            "in_full": not not_sent and totals["sent"] > 0 and totals["answered"] == totals["sent"]}
+
+
+def burst_line(burst: dict[str, Any], timeout: float, wanted: float) -> str:
+    """The report's sentence on row (f)'s burst."""
+    cut = f", cut from {wanted:g} s by --deadline" if timeout < wanted else ""
+    said = (f"{burst['answered']} of {burst['sent']} heavy requests answered (client timeout {timeout:g} s{cut}); "
+            f"{burst['timed_out']} timed out, {burst['refused']} refused, {burst['other']} failed otherwise")
+    if burst["in_full"]:
+        return f"the burst was answered in full: every heavy kind sent, {said}"
+    missing = f"; kinds never sent: {', '.join(burst['kinds_not_sent'])}" if burst["kinds_not_sent"] else ""
+    return f"the burst was NOT answered in full: {said}{missing}"
 
 
 def knob_note(row: dict[str, Any]) -> str:
@@ -328,8 +399,12 @@ def set_knob(server: Server, api_key: str, path: str, body: dict[str, Any]) -> N
 
 
 def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, pool: ClientPool,
-            api_key: str) -> dict[str, Any]:
+            api_key: str, deadline: float) -> dict[str, Any]:
     out: dict[str, Any] = {"row": row.key, "name": row.name, "kind": row.kind, "clients": row.clients}
+    wait = 0.0  # row (f): how long a heavy request may wait for its answer
+    if row.kind == "steady":
+        wait = heavy_timeout_s(args.heavy_timeout, args.seconds, deadline - now() - after_rows_s(args))
+        out["heavy_timeout_s"], out["heavy_copies"] = wait, args.heavy_copies
     if row.switch_ms is not None:
         set_knob(server, api_key, "/bench/switch-interval", {"ms": row.switch_ms})
         out["switch_ms"] = row.switch_ms
@@ -340,7 +415,7 @@ def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, poo
         set_knob(server, api_key, "/bench/session-headroom", {"headroom": row.headroom})
         out["headroom"] = row.headroom
     before = scrape(server)
-    tallies = pool.run(worker_specs(row, number, args, server.url, api_key), args.seconds + 60.0)
+    tallies = pool.run(worker_specs(row, number, args, server.url, api_key, wait), args.seconds + wait + 60.0)
     after = scrape(server)
     out["counters"] = deltas(picked(before, COUNTER_WORDS), picked(after, COUNTER_WORDS))
     out["engine"] = deltas(picked(before, WORK_STATS), picked(after, WORK_STATS))
@@ -350,8 +425,10 @@ def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, poo
         out["served"] = camera_summary(merged["main"], args.seconds)
     elif row.kind == "steady":
         out["phases"] = {name: closed_summary(tally) for name, tally in merged.items() if name.startswith("steady")}
-        out["heavy"] = {name[len("heavy: "):]: closed_summary(tally) for name, tally in merged.items()
+        out["heavy"] = {name[len("heavy: "):]: heavy_summary(tally) for name, tally in merged.items()
                         if name.startswith("heavy: ")}
+        out["burst"] = {**burst_summary(out["heavy"], HEAVY_KINDS),
+                        "elapsed_s": max((q["elapsed_s"] for q in out["phases"].values()), default=0.0)}
     else:
         out["served"] = closed_summary(merged["main"])
     if not server.alive():
@@ -386,7 +463,7 @@ def measure(args: argparse.Namespace, server: Server, pool: ClientPool, results:
             continue
         print(f"  {label} ...", flush=True)
         try:
-            point = run_row(row, number, args, server, pool, api_key)
+            point = run_row(row, number, args, server, pool, api_key, deadline)
         except Exception as exc:  # noqa: BLE001 - one failed row is recorded; the next rows still run
             results["notes"].append(f"{label} failed: {type(exc).__name__}: {str(exc)[:1500]}")
             print(f"  {label} failed: {type(exc).__name__}: {exc}", flush=True)
@@ -400,8 +477,10 @@ def measure(args: argparse.Namespace, server: Server, pool: ClientPool, results:
 
 def one_line(point: dict[str, Any]) -> str:
     if point["kind"] == "steady":
-        return "; ".join(f"{name}: p50 {fmt(p['p50_ms'], 0)} ms, p99 {fmt(p['p99_ms'], 0)} ms"
-                         for name, p in point["phases"].items())
+        burst = point["burst"]
+        return "; ".join(f"{name}: p50 {fmt(p['p50_ms'], 0)} ms, p99 {fmt(p['p99_ms'], 0)} ms, max {fmt(p['max_ms'], 0)} ms"
+                         for name, p in point["phases"].items()) + (
+            f"; heavy answered {burst['answered']} of {burst['sent']}{'' if burst['in_full'] else ' (not in full)'}")
     served = point["served"]
     if point["kind"] == "camera_open":
         return (f"answered {fmt(served['answered_share'] * 100, 0)} %, age p50 {fmt(served['age']['p50_ms'], 0)} ms, "
@@ -478,12 +557,20 @@ def report(results: dict[str, Any]) -> str:
     for p in (p for p in results["rows"] if p["kind"] == "steady"):
         rows = [[name, q["requests"], fmt(q["p50_ms"], 0), fmt(q["p99_ms"], 0), fmt(q["max_ms"], 0),
                  errors_cell(q["errors"], q["counts"])] for name, q in p["phases"].items()]
-        rows += [[f"heavy: {name}", f"{q['counts'].get('sent', 0)} sent, {q['requests']} answered", fmt(q["p50_ms"], 0),
-                  fmt(q["p99_ms"], 0), fmt(q["max_ms"], 0),
-                  errors_cell({**q["errors"], **{k: v for k, v in q["counts"].items() if k != "sent"}})]
-                 for name, q in p["heavy"].items()]
-        lines += [f"(f) {p['name']} (alone for the first fifth of the row; ms):", "",
-                  markdown_table(["client", "requests", "p50", "p99", "max", "errors / notes"], rows), ""]
+        heavy = [[name, q["sent"], q["answered"], q["timed_out"],
+                  ", ".join(f"{status}: {count}" for status, count in sorted(q["refused"].items())) or "-",
+                  fmt(q["p50_ms"], 0), fmt(q["max_ms"], 0),
+                  errors_cell({k: v for k, v in q["errors"].items() if k != "timeout" and not k.isdigit()},
+                              {k: v for k, v in q["counts"].items() if k != "sent"})]
+                 for name, q in sorted(p["heavy"].items())]
+        lines += [f"(f) {p['name']}: the steady client alone for the first fifth of the row's seconds, then beside "
+                  f"{p['heavy_copies']} of each heavy kind sent at once (each sending again when answered until the "
+                  f"row's seconds end) until every heavy request is answered or timed out, "
+                  f"{fmt(p['burst']['elapsed_s'], 1)} s in all (ms):", "",
+                  markdown_table(["steady client", "requests", "p50", "p99", "max", "errors / notes"], rows), "",
+                  markdown_table(["heavy kind", "sent", "answered", "timed out", "refused (status)", "p50", "max",
+                                  "errors / notes"], heavy), "",
+                  burst_line(p["burst"], p["heavy_timeout_s"], results["args"]["heavy_timeout"]), ""]
     counters = [[f"({p['row']}) {p['clients']}", counters_cell(p.get("counters")),
                  counters_cell(p.get("twin_counters")) if "twin" in p else "-"] for p in results["rows"]]
     if counters:
@@ -507,7 +594,7 @@ def engine_row(point: dict[str, Any], row_seconds: float) -> list[Any]:
         return sum(value for key, value in point["engine"].items() if key.split("{", 1)[0].endswith(f"_{name}_total"))
 
     passes = stat("decoder_passes")
-    seconds = (point.get("served") or {}).get("elapsed_s") or row_seconds
+    seconds = (point.get("served") or point.get("burst") or {}).get("elapsed_s") or row_seconds
     busy = stat("busy_ms") / 1000 / seconds if seconds else float("nan")
     per_pass = stat("decoder_rows") / passes if passes else float("nan")
     return [f"({point['row']}) {point['clients']}", f"{passes:g}", fmt(per_pass, 1),
@@ -628,6 +715,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                                                        "26000; --tiny 1500)")
     parser.add_argument("--heavy-think", type=int, default=None, help="row (f): the think budget (default 4096; "
                                                                       "--tiny 64)")
+    parser.add_argument("--heavy-copies", type=int, default=None, help="row (f): how many of each heavy kind are sent "
+                        "at once beside the steady client (default 4; --tiny 1)")
+    parser.add_argument("--heavy-timeout", type=float, default=None, help="row (f): seconds a heavy request may wait "
+                        "for its answer; the row waits for every heavy answer up to it, cut to fit --deadline "
+                        "(default 300; --tiny 60)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="TORCH_COMPILE (default: the server's)")
     parser.add_argument("--fused-moe", action=argparse.BooleanOptionalAction, default=None,
@@ -672,6 +764,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--rows: letters among {', '.join(ROW_KEYS)}")
     args.heavy_tokens = args.heavy_tokens or (1500 if args.tiny else 26000)
     args.heavy_think = args.heavy_think or (64 if args.tiny else 4096)
+    args.heavy_copies = args.heavy_copies if args.heavy_copies is not None else (1 if args.tiny else 4)
+    args.heavy_timeout = args.heavy_timeout if args.heavy_timeout is not None else (60.0 if args.tiny else 300.0)
+    if args.heavy_copies < 1:
+        parser.error("--heavy-copies must be at least 1")
+    if args.heavy_timeout <= 0:
+        parser.error("--heavy-timeout must be more than 0")
     args.deadline = args.deadline or (228.0 if quick else 520.0)
     if args.workers < 1:
         parser.error("--workers must be at least 1")

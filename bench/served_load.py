@@ -423,51 +423,59 @@ async def open_camera_client(url: str, api_key: str, frames: Frames, start: floa
 # ---------------------------------------------------------------------------------------- the steady row
 
 async def steady_client(client: Any, start: float, alone_until: float, end: float, tallies: dict[str, Tally],
-                        uid: str) -> None:
-    """One ticket client, closed loop: alone first, then beside the heavy clients."""
+                        uid: str, burst_on: Callable[[], bool] = lambda: False, last: float = 0.0) -> None:
+    """One ticket client, closed loop: alone first, then beside the heavy clients until `end`, and on
+    while `burst_on()` (a heavy request of the row is still waiting for its answer), until `last`."""
     rng = random.Random(uid)
     sequence = 0
-    while now() < end:
+    while now() < end or (burst_on() and now() < last):
         sequence += 1
         tally = tallies["steady alone" if now() < alone_until else "steady beside the heavy clients"]
         await timed_post(client, ticket_request(rng, f"{uid}-{sequence}"), None, tally)
 
 
 async def heavy_client(client: Any, kind: str, params: dict[str, Any], alone_until: float, end: float,
-                       tally: Tally, uid: str) -> None:
-    """One heavy request after another, from `alone_until` to `end`; a 4xx stops this kind (recorded,
-    not fatal), except a prompt over the limit, which shrinks the state and tries again."""
+                       timeout: float, tally: Tally, uid: str, done: Callable[[], None] = lambda: None) -> None:
+    """One heavy request after another, from `alone_until` to `end`, each waited for up to `timeout`
+    (past `end` too: the row waits for its answer); a 4xx stops this client (recorded, not fatal),
+    except a prompt over the limit, which shrinks the state and tries again. `done()` when it stops."""
     rng = random.Random(uid)
     tokens = int(params["state_tokens"])
-    await until(alone_until)
-    sequence = 0
-    while now() < end:
-        sequence += 1
-        body = heavy_request(kind, rng, f"{uid}-{sequence}", tokens, int(params["think"]))
-        started = now()
-        tally.count("sent")
-        try:
-            response = await post_decision(client, body, None, max(1.0, end - now() + 1))
-        except Exception as exc:  # noqa: BLE001
-            tally.error(error_key(exc))
-            continue
-        if response.status_code == 200:
-            tally.latencies.append(now() - started)
-            continue
-        tally.error(str(response.status_code))
-        if response.status_code in (503, 529):
-            await backoff(response, end)
-        elif "max_tokens_exceeded" in response.text and tokens > 1000:
-            tokens = int(tokens * 0.8)
-            tally.count(f"state shrunk to ~{tokens} tokens")
-        elif 400 <= response.status_code < 500:
-            return
+    try:
+        await until(alone_until)
+        sequence = 0
+        while now() < end:
+            sequence += 1
+            body = heavy_request(kind, rng, f"{uid}-{sequence}", tokens, int(params["think"]))
+            started = now()
+            tally.count("sent")
+            try:
+                response = await post_decision(client, body, None, timeout)
+            except Exception as exc:  # noqa: BLE001
+                tally.error(error_key(exc))
+                continue
+            if response.status_code == 200:
+                tally.latencies.append(now() - started)
+                continue
+            tally.error(str(response.status_code))
+            if response.status_code in (503, 529):
+                await backoff(response, end)
+            elif "max_tokens_exceeded" in response.text and tokens > 1000:
+                tokens = int(tokens * 0.8)
+                tally.count(f"state shrunk to ~{tokens} tokens")
+            elif 400 <= response.status_code < 500:
+                return
+    finally:
+        done()
 
 
 # ---------------------------------------------------------------------------------------- a client process
 
-async def run_row(spec: dict[str, Any], prepared: dict[str, Any], start: float) -> dict[str, Any]:
-    """This process's share of one row, from `start`; returns its tallies by name."""
+async def run_row(spec: dict[str, Any], prepared: dict[str, Any], start: float,
+                  heavy_left: Any = None) -> dict[str, Any]:
+    """This process's share of one row, from `start`; returns its tallies by name. `heavy_left` (a
+    shared multiprocessing Value, or None): the steady row's heavy clients still running, in every
+    client process (the parent sets it before the row; each heavy client takes one off when it stops)."""
     import httpx
 
     kind = spec["kind"]
@@ -503,16 +511,28 @@ async def run_row(spec: dict[str, Any], prepared: dict[str, Any], start: float) 
                      tallies["main"] for frames in prepared["frames"]}
         elif kind == "steady":
             alone_until = start + float(spec["alone_s"])
+            wait = float(spec["heavy_timeout_s"])  # a heavy request sent at `end` is answered or timed out by end + wait
+
+            def burst_on() -> bool:
+                return heavy_left is not None and heavy_left.value > 0
+
+            def done() -> None:
+                if heavy_left is not None:
+                    with heavy_left.get_lock():
+                        heavy_left.value -= 1
+
             tallies = {}
             if spec.get("steady"):
                 tallies = {"steady alone": Tally(), "steady beside the heavy clients": Tally()}
-                steady = steady_client(client, start, alone_until, end, tallies, f"{spec['tag']}-steady")
+                steady = steady_client(client, start, alone_until, end, tallies, f"{spec['tag']}-steady", burst_on,
+                                       end + wait + 1.0)
                 tasks[asyncio.create_task(steady)] = tallies["steady beside the heavy clients"]
             for number, heavy in enumerate(spec.get("heavy", ())):
-                tally = tallies[f"heavy: {heavy}"] = Tally()
-                task = heavy_client(client, heavy, spec["params"], alone_until, end, tally, f"{spec['tag']}-h{number}")
+                tally = tallies.setdefault(f"heavy: {heavy}", Tally())  # a kind's copies in one process: one tally
+                task = heavy_client(client, heavy, spec["params"], alone_until, end, wait, tally,
+                                    f"{spec['tag']}-h{number}", done)
                 tasks[asyncio.create_task(task)] = tally
-        await finish(tasks, end, grace=2.0 if kind == "steady" else GRACE_S)
+        await finish(tasks, end, grace=float(spec["heavy_timeout_s"]) + 3.0 if kind == "steady" else GRACE_S)
         for tally in tallies.values():
             tally.elapsed = now() - start
     return {name: tally.as_dict() for name, tally in tallies.items()}
@@ -530,9 +550,9 @@ def prepare(spec: dict[str, Any], maker: FrameMaker) -> dict[str, Any]:
     return {"frames": frames}
 
 
-def worker_main(conn: Any, index: int, tag: str) -> None:
+def worker_main(conn: Any, index: int, tag: str, heavy_left: Any = None) -> None:
     """A client process: rows until the parent sends None or goes away (EOF). `tag` marks its frames
-    (unique across the run's processes)."""
+    (unique across the run's processes); `heavy_left`: run_row's shared count of heavy clients."""
     import httpx  # noqa: F401 - imported (and the frame maker made) before the first row's clock
     import websockets.asyncio.client  # noqa: F401
 
@@ -547,7 +567,7 @@ def worker_main(conn: Any, index: int, tag: str) -> None:
             go = conn.recv()
             if go is None:
                 return
-            result = asyncio.run(run_row(spec, prepared, float(go)))
+            result = asyncio.run(run_row(spec, prepared, float(go), heavy_left))
             conn.send(("done", result))
         except (EOFError, OSError, KeyboardInterrupt):
             return
