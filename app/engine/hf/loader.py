@@ -123,6 +123,10 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         turn_tokens=flat_turn_tokens(options.turn_tokens, on_cuda) if options.flat_turn else 0,
         graph_slots=(plan.decoder_slots, plan.encoder_slots) if plan is not None else None,
     )
+    if compiled and runner.flat is not None:  # the flat forward's layer bodies, compiled by their first runs
+        import functools
+
+        runner.flat.forward.compile(functools.partial(torch.compile, dynamic=None))
     if options.fused_moe and on_cuda:
         from app.engine.hf.moe.fused import warm_up_experts
 

@@ -128,6 +128,9 @@ def compile_counts(runner: DiffusionRunner) -> tuple[int, int, int]:
     pauses measured on the H200 after the levels of a load compiled new shapes: docs/benchmarks.md)."""
     captures = sum(getattr(getattr(runner, name, None), "captures", 0)
                    for name in ("graphs", "encoder_graphs", "vision_graphs"))
+    flat = getattr(runner, "flat", None)
+    if flat is not None and flat.forward.graphs is not None:
+        captures += flat.forward.graphs.captures
     dynamo = sys.modules.get("torch._dynamo.utils")
     compiled = int(dynamo.counters["stats"].get("unique_graphs", 0)) if dynamo is not None else 0
     triton = 0
@@ -135,9 +138,10 @@ def compile_counts(runner: DiffusionRunner) -> tuple[int, int, int]:
         from app.engine.hf.moe.fused import compiled_kernels
 
         triton = compiled_kernels()
-        attention = sys.modules.get("app.engine.hf.attention_kernel")
-        if attention is not None:
-            triton += attention.compiled_kernels()
+        for name in ("app.engine.hf.attention_kernel", "app.engine.hf.flat.kernel"):
+            kernel = sys.modules.get(name)
+            if kernel is not None:
+                triton += kernel.compiled_kernels()
     return captures, compiled, triton
 
 

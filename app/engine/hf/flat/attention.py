@@ -107,6 +107,10 @@ class ReferenceAttention:
         return out
 
 
+# The kernel metadata's parts start at multiples of this many int32 (`SegmentAttention.plan`).
+ALIGN = 16
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """A turn's metadata for the segment kernel, by kind of layer (sliding or not): the segments'
@@ -166,9 +170,11 @@ class SegmentAttention:
         flat: list[int] = []
         sizes: list[tuple[int, int, int]] = []
         for segments, items, table in lists.values():
-            flat += [value for row in segments for value in row]
-            flat += [value for row in items for value in row]
-            flat += table
+            for values in ([value for row in segments for value in row], [value for row in items for value in row],
+                           table):
+                # Each part starts 64 bytes in: Triton specialises a pointer on its 16-byte alignment,
+                # and a part at an odd offset would compile the kernel again (after `ready`).
+                flat += values + [0] * (-len(values) % ALIGN)
             sizes.append((len(segments), len(items), len(table)))
         data = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
         by_kind = {}
@@ -178,7 +184,7 @@ class SegmentAttention:
             for count, width in ((segments, self.kernel.SEGMENT_FIELDS), (items, 2), (table, 1)):
                 parts.append(data[offset:offset + count * width].view(count, width) if width > 1
                              else data[offset:offset + count])
-                offset += count * width
+                offset += count * width + (-(count * width) % ALIGN)
             by_kind[sliding] = (parts[0], parts[1], parts[2])
         return KernelPlan(layout, by_kind)
 

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
     from app.engine.hf.flat.blocks import KVStore, SequenceKV
     from app.engine.hf.graphs.cache import PoolHandle
+    from app.engine.hf.layers import TextLayer
 
 log = logging.getLogger("djev.engine")
 
@@ -83,6 +84,14 @@ def untied(model: DiffusionGemmaForBlockDiffusion) -> list[str]:
     return names
 
 
+def layer_output(layer: TextLayer, attention_out: torch.Tensor, residual: torch.Tensor, canvas: torch.Tensor,
+                 decoder_scalar: torch.Tensor) -> torch.Tensor:
+    """A layer's output [1, T, hidden] from its attention's [1, T, heads, dim] and its input, each token
+    scaled by its own stack's `layer_scalar` (`canvas` [T]: the decoder's, else the encoder's)."""
+    scalars = torch.where(canvas[:, None], decoder_scalar, layer.layer_scalar)
+    return unscaled_output(layer, attention_out, residual) * scalars
+
+
 class FlatForward:
     """The model's text stacks as one forward over a flat batch (`__call__`): eagerly, or, given
     `graphs`, through `PiecewiseForward` (`self.graphs`) for the turns a bucket holds. `stats` (the
@@ -109,7 +118,18 @@ class FlatForward:
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm
         self.stats: Counter[str] = stats if stats is not None else Counter()
+        # A layer's two bodies around its attention; `compile` swaps in compiled ones (TORCH_COMPILE).
+        self.inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_inputs
+        self.output: Callable[..., torch.Tensor] = layer_output
         self.graphs = PiecewiseForward(self, model, graphs, self.stats, pool) if graphs is not None else None
+
+    def compile(self, wrap: Callable[[Callable], Callable]) -> None:
+        """Run the layers' two bodies through `wrap` (torch.compile, TORCH_COMPILE): one compiled body
+        each for every layer of a kind (the layer is an argument), fusing the norms, rotary, router
+        and residual arithmetic the pieces otherwise run kernel by kernel. Before the graphs are
+        captured: their first runs compile, so nothing compiles after `ready`."""
+        self.inputs = wrap(attention_inputs)
+        self.output = wrap(layer_output)
 
     @torch.no_grad()
     def __call__(self, layout: TurnLayout, sequences: Sequence[SequenceKV], inputs: TurnInputs) -> torch.Tensor:
@@ -136,13 +156,12 @@ class FlatForward:
         for index, layer in enumerate(self.layers):
             sliding = self.sliding[index]
             cos, sin = rotary[sliding]
-            queries, keys, values = attention_inputs(layer, hidden, cos, sin)  # [1, heads, T, dim]
+            queries, keys, values = self.inputs(layer, hidden, cos, sin)  # [1, heads, T, dim]
             if rows.numel():
                 slots = sliding_slots if sliding else full_slots
                 self.store.write(index, slots, keys[0, :, rows].transpose(0, 1), values[0, :, rows].transpose(0, 1))
             out = self.attention.attend(index, sliding, layer.self_attn.scaling, queries[0], keys[0], values[0], plan)
-            scalars = torch.where(canvas[:, None], self.decoder_scalars[index], layer.layer_scalar)
-            hidden = unscaled_output(layer, out[None], hidden) * scalars
+            hidden = self.output(layer, out[None], hidden, canvas, self.decoder_scalars[index])
         wanted = torch.tensor(layout.logit_rows(), dtype=torch.long, device=device)
         return self.norm(hidden[0, wanted])
 
@@ -259,6 +278,7 @@ class PiecewiseForward:
         self.values = {shape: zeros(largest, shape[1], shape[2]) for shape in set(self.shapes)}
         self.outs = {shape: zeros(largest, shape[0], shape[2]) for shape in set(self.shapes)}
         self.cache: GraphCache[int, _Bucket] = GraphCache("flat", self._build, stats)
+        self.captures = 0  # CUDA graphs captured (every piece of every bucket; the reader counts any after ready)
         self.memory = 0  # device memory the captures took (`capture_all`)
         self.seconds = 0.0
 
@@ -272,6 +292,7 @@ class PiecewiseForward:
         if held is None:
             return None
         flat, device = self.flat, self.device
+        self.stats["flat_graph_replays" if held.graphs else "flat_piecewise_turns"] += 1
         canvas = torch.tensor(layout.canvas_tokens(), device=device)
         self._load(held.tokens, layout, flat.embeddings(layout, inputs, canvas), canvas)
         rows, full_slots, sliding_slots = flat.write_slots(layout, sequences, device)
@@ -327,7 +348,7 @@ class PiecewiseForward:
     def _begin(self, index: int, bucket: int) -> None:
         """Layer `index`'s queries, keys and values into the buffers of its shape."""
         cos, sin = self.rotary[self.flat.sliding[index]]
-        queries, keys, values = attention_inputs(self.flat.layers[index], self.hidden[:, :bucket], cos[:, :bucket],
+        queries, keys, values = self.flat.inputs(self.flat.layers[index], self.hidden[:, :bucket], cos[:, :bucket],
                                                  sin[:, :bucket])  # [1, heads, bucket, dim]
         shape = self.shapes[index]
         for buffer, new in ((self.queries, queries), (self.keys, keys), (self.values, values)):
@@ -337,9 +358,8 @@ class PiecewiseForward:
         """Layer `index`'s output from its attention's (in the output buffer), each token scaled by its
         own stack's layer scalar, written over the hidden buffer."""
         layer, hidden = self.flat.layers[index], self.hidden[:, :bucket]
-        out = unscaled_output(layer, self.outs[self.shapes[index]][:bucket][None], hidden)
-        scalars = torch.where(self.canvas[:bucket, None], self.flat.decoder_scalars[index], layer.layer_scalar)
-        torch.mul(out, scalars, out=hidden)
+        hidden.copy_(self.flat.output(layer, self.outs[self.shapes[index]][:bucket][None], hidden,
+                                      self.canvas[:bucket], self.flat.decoder_scalars[index]))
 
     # ------------------------------------------------------------------ capture
 
@@ -380,6 +400,7 @@ class PiecewiseForward:
                 ended = time.perf_counter()
                 graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.captures += 1
         self.stats["graph_warm_ms"] += round((recorded - started) * 1000)
         self.stats["graph_record_ms"] += round((ended - recorded) * 1000)
         self.stats["graph_instantiate_ms"] += round((time.perf_counter() - ended) * 1000)

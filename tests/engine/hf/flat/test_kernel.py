@@ -48,6 +48,10 @@ def test_rows_past_the_turns_tokens_are_neither_read_nor_written(checked):
     assert all(case["padding_untouched"] for case in checked.values()), checked
 
 
+def test_every_part_of_the_metadata_starts_on_16_bytes_so_no_turn_compiles_the_kernel_again(checked):
+    assert all(case["aligned"] for case in checked.values()), checked
+
+
 def test_the_metadata_names_each_segments_keys_blocks_and_work_items():
     store = KVStore([LayerShape(False, 1, 8), LayerShape(True, 1, 8)], window=20, max_bytes=1 << 20, device="cpu",
                     dtype=torch.float32)

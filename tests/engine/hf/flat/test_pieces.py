@@ -271,3 +271,24 @@ def test_the_reports_line():
 def test_graphs_are_captured_on_cuda_alone(model):
     with pytest.raises(ValueError, match="CUDA"):
         make(model, PiecewiseConfig(BUCKETS, capture=True))
+
+
+def test_compiled_layer_bodies_read_what_the_eager_ones_do(model):
+    """TORCH_COMPILE on the flat turn: the layers' two bodies through torch.compile (aot_eager on the
+    CPU: the graphs dynamo traces, without inductor's kernels), in the pieces and in the eager
+    forward of a turn past the largest bucket, against the plain forward."""
+    import functools
+
+    plain, compiled = make(model, None), make(model, PiecewiseConfig((16, 32, 64), capture=False))
+    compiled.forward.compile(functools.partial(torch.compile, backend="aot_eager", dynamic=None))
+    opened = {id(setup): {name: open_sequence(setup.store, name, length) for name, length in LENGTHS.items()}
+              for setup in (plain, compiled)}
+    for seed, (asks, _) in enumerate(TURNS):  # sizes 11 to 86: buckets 16, 32, 64 and one past them
+        expected = parts_for(plain, opened[id(plain)], asks, seed, model)
+        got = parts_for(compiled, opened[id(compiled)], asks, seed, model)
+        plain.turn.run(expected)
+        compiled.turn.run(got)
+        for want, have in zip(expected, got):
+            assert want.hidden is not None and have.hidden is not None
+            assert float((want.hidden - have.hidden).abs().max()) < PADDED_TOLERANCE
+    assert compiled.stats["flat_graph_fallbacks"] == 1  # the 86-token turn: the compiled eager forward
