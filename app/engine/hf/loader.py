@@ -103,8 +103,10 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
     weights = unique_bytes(model)
     plan = None
     if on_cuda:
+        rows = not options.flat_turn  # the flat turn keeps no static KV buffers (its graphs are by token count)
         plan = plan_graphs(torch.cuda.mem_get_info(device)[0], token_kv_bytes(model),
-                           decoder_slots=ShapePolicy.decoder_slots, encoder_slots=ShapePolicy.encoder_slots,
+                           decoder_slots=ShapePolicy.decoder_slots if rows else 0,
+                           encoder_slots=ShapePolicy.encoder_slots if rows else 0,
                            cache_bytes=options.prompt_cache_bytes, reserve=GRAPH_RESERVE_BYTES)
     runner = DiffusionRunner(
         model,
@@ -121,7 +123,7 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         prefill_chunk=options.prefill_chunk,
         kv_bytes=plan.prompt_cache_bytes if plan is not None else options.prompt_cache_bytes,
         turn_tokens=flat_turn_tokens(options.turn_tokens, on_cuda) if options.flat_turn else 0,
-        graph_slots=(plan.decoder_slots, plan.encoder_slots) if plan is not None else None,
+        graph_slots=(plan.decoder_slots, plan.encoder_slots) if plan is not None and not options.flat_turn else None,
     )
     if compiled and runner.flat is not None:  # the flat forward's layer bodies, compiled by their first runs
         import functools

@@ -91,7 +91,8 @@ def plan_graphs(free: int, token_bytes: int, *, decoder_slots: int, encoder_slot
     PROMPT_CACHE_GB=0 asks), `reserve` left for the requests' own work, the captures' pools, and
     then the graphs' static buffers (`token_bytes` of KV a token, for all layers), halved, the
     larger first, until they fit. An H200's 92 GiB after the weights keep the defaults; an 80 GB
-    card's 31 GiB do not (the defaults' buffers alone are 19.25 GiB)."""
+    card's 31 GiB do not (the defaults' buffers alone are 19.25 GiB). The flat turn asks for no static
+    buffers (its graphs by token count hold about 1 GiB, within the captures' allowance)."""
     cuts: list[str] = []
     cache = cache_bytes
     if cache_bytes and cache_bytes > free // 4:

@@ -98,6 +98,12 @@ def test_an_80_gb_card_cuts_the_prompt_cache_and_the_graph_buffers_to_fit():
     assert split(cuts=plan.cuts).forced().endswith(plan.cuts[1])  # /health names what was cut
 
 
+def test_the_flat_turn_on_an_80_gb_card_cuts_no_graph_buffers():
+    free = int(31.8 * GiB)  # the flat turn asks for no static KV buffers: only the prompt cache is cut
+    plan = plan_graphs(free, TOKEN_KV, decoder_slots=0, encoder_slots=0, cache_bytes=16 * GiB, reserve=12 * GiB)
+    assert plan == GraphPlan(0, 0, free // 4, (plan.cuts[0],)) and "prompt cache" in plan.cuts[0]
+
+
 def test_the_buffers_stop_at_their_floor_and_an_unbounded_cache_stays_unbounded():
     plan = plan_graphs(13 * GiB, TOKEN_KV, decoder_slots=72 * 1024, encoder_slots=16 * 1024, cache_bytes=0,
                        reserve=12 * GiB)
