@@ -72,8 +72,12 @@ def compile_layers(model: DiffusionGemmaForBlockDiffusion, backend: str = "induc
         install(layers, compile=compiled)
     vision = vision_layers(model)
     install_vision(vision, compile=compiled)
-    log.info("torch.compile (%s) on the %d text layers' attention inputs and feed-forward halves and the %d "
-             "vision layers: each new shape compiles on first use", backend, len(layers), len(vision))
+    if layers:
+        log.info("torch.compile (%s) on the %d text layers' attention inputs and feed-forward halves and the %d "
+                 "vision layers: each new shape compiles on first use", backend, len(layers), len(vision))
+    else:
+        log.info("torch.compile (%s) on the %d vision layers (the flat turn compiles its own layer bodies)", backend,
+                 len(vision))
     return len(layers)
 
 

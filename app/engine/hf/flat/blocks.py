@@ -18,7 +18,8 @@ cached blocks that begins it and whose sliding blocks still cover the window bef
 sequence continuing at position m reads sliding KV at [m − W + 1, m)).
 
 A block is used (referenced by sequences), cached (whole and named, referenced by none: kept for
-later prompts, evicted least recently released first unless pinned) or free. The pools hold at
+later prompts, evicted least recently released first, pinned ones only when a running read needs
+their room) or free. The pools hold at
 most `max_bytes`, split between them once (`sliding_bytes`); a pool doubles up to its share (or
 is allocated whole at once: fixed CUDA addresses) and evicts only once it is reached. The engine
 thread alone uses a store: nothing here locks.
@@ -142,8 +143,19 @@ class _Pool:
         self.ident[block] = identity
 
     def evictable(self, wanted: int, now: float) -> list[int]:
-        """Up to `wanted` cached blocks not pinned now, least recently released first."""
-        return list(islice((block for block in self.lru if self.pins.get(block, now) <= now), wanted))
+        """Up to `wanted` cached blocks: those not pinned now, least recently released first, then,
+        where they fall short, pinned ones, the soonest to expire first. A pin keeps a block for a
+        gated stage that may come; a read that is running never fails for it (the stage encodes its
+        prompt again instead)."""
+        blocks = list(islice((block for block in self.lru if self.pins.get(block, now) <= now), wanted))
+        if len(blocks) < wanted:
+            pinned = sorted((block for block in self.lru if self.pins.get(block, now) > now), key=self.pins.__getitem__)
+            blocks += pinned[:wanted - len(blocks)]
+        return blocks
+
+    def pinned_now(self, blocks: list[int], now: float) -> int:
+        """How many of `blocks` are pinned now."""
+        return sum(1 for block in blocks if self.pins.get(block, now) > now)
 
     def evict(self, blocks: list[int]) -> None:
         for block in blocks:
@@ -195,7 +207,7 @@ class KVStore:
         self._where = [(self._pools[shape.sliding], sum(other.sliding == shape.sliding for other in self.layers[:layer]))
                        for layer, shape in enumerate(self.layers)]
         self._identities = ROOT  # the last chain identity given
-        self._hit_tokens = self._evictions = self._store_full = 0
+        self._hit_tokens = self._evictions = self._store_full = self._pins_broken = 0
 
     # ------------------------------------------------------------------ tensors
 
@@ -326,6 +338,7 @@ class KVStore:
                 # Grow before evicting (a cached block may be hit again), doubling: few copies on the way up.
                 pool.grow(min(grow, max(need, pool.blocks, GROW_BLOCKS - pool.blocks)))
                 evicted = evictable[: max(0, blocks - len(pool.free))]
+                self._pins_broken += pool.pinned_now(evicted, now)
                 pool.evict(evicted)
                 self._evictions += len(evicted)
 
@@ -433,5 +446,6 @@ class KVStore:
             "bytes": sum(pool.blocks * pool.block_bytes for pool in pools),
             "hit_tokens": self._hit_tokens,
             "evictions": self._evictions,
+            "pins_broken": self._pins_broken,  # pinned blocks evicted for a running read's room
             "store_full": self._store_full,
         }

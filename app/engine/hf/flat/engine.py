@@ -8,6 +8,7 @@ token budget (`scheduler.compose`), runs it as one forward, and gives each progr
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generator, Protocol, Sequence
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from app.engine.hf.flat.host import Host
     from app.engine.hf.generation_state import Generation
     from app.engine.hf.prompts import Preprocessed
+
+log = logging.getLogger("djev.engine")
 
 # The fewest tokens a turn may hold: a widest canvas and an image beside a prompt's chunk.
 MIN_TURN_TOKENS = 1024
@@ -146,7 +149,20 @@ class FlatEngine:
         for entry in queue:
             if entry.work.done:
                 self.release(entry.work)
+        self._store_counters()
         return TurnReport(ran, counts[Kind.PROMPT], counts[Kind.CANVAS], canvases)
+
+    def _store_counters(self) -> None:
+        """The KV store's totals into the runner's counters (/metrics): reads it had no room for (each
+        failed alone with a 503, logged here), blocks evicted, pins broken for a running read."""
+        stats, counters = self.store.stats, self.runner.stats
+        refused = stats["store_full"] - counters["flat_store_full"]
+        if refused > 0:
+            log.warning("the KV store had no room for %d read(s) this turn (failed with 503): %d of its %d blocks in "
+                        "use, %d pinned; a larger PROMPT_CACHE_GB holds more", refused, stats["blocks_used"],
+                        stats["blocks_allocated"], stats["blocks_pinned"])
+        for name in ("store_full", "evictions", "pins_broken"):
+            counters[f"flat_{name}"] = stats[name]
 
     def release(self, program: Program) -> None:
         """A program that ended or was dropped: its sequences released, its preparation forgotten."""

@@ -287,7 +287,14 @@ def test_referenced_blocks_are_never_evicted_and_a_reserve_that_cannot_fit_chang
     assert_reads(store, live, live_written, 0, 8)
 
 
-def test_pinned_blocks_are_not_evicted_until_their_pin_expires():
+def cached_tokens(store: KVStore, keys: Sequence[Hashable]) -> int:
+    """How many of a prompt's positions the store would share now (opened and closed again)."""
+    seq = store.open(keys)
+    store.close(seq)
+    return seq.cached
+
+
+def test_pinned_blocks_go_last_and_only_for_a_running_reads_room():
     clock = Clock()
     store = make_store(4, preallocate=True, clock=clock)
     pinned, _ = prompt(store, keys_of(0, 8))
@@ -295,17 +302,27 @@ def test_pinned_blocks_are_not_evicted_until_their_pin_expires():
     assert store.stats["blocks_pinned"] == 4  # 2 full, 2 sliding
     done, _ = prompt(store, keys_of(10, 8))
     store.close(done)
-    first = store.open(keys_of(20, 12))
-    with pytest.raises(StoreFull):
-        store.reserve(first, keys_of(20, 12))  # 3 blocks: only done's 2 are evictable
-    store.reserve(first, keys_of(20, 8))
+    first = store.open(keys_of(20, 8))
+    store.reserve(first, keys_of(20, 8))  # 2 blocks: done's, unpinned, go first
+    assert cached_tokens(store, keys_of(0, 8)) == 8 and store.stats["pins_broken"] == 0
     second = store.open(keys_of(30, 4))
-    with pytest.raises(StoreFull):
-        store.reserve(second, keys_of(30, 4))
-    clock.now = 10.5
-    assert store.stats["blocks_pinned"] == 0
-    store.reserve(second, keys_of(30, 4))  # the pin is over: pinned's tail block goes
-    assert store.open(keys_of(0, 8)).cached == 4
+    store.reserve(second, keys_of(30, 4))  # no unpinned block left: a pinned one goes, not the read
+    assert store.stats["pins_broken"] == 2 and store.stats["store_full"] == 0  # one in each pool
+    third = store.open(keys_of(40, 8))
+    with pytest.raises(StoreFull):  # 2 blocks wanted, 1 cached: used blocks are never taken
+        store.reserve(third, keys_of(40, 8))
+
+
+def test_of_pinned_blocks_the_soonest_to_expire_goes_first():
+    clock = Clock()
+    store = make_store(4, preallocate=True, clock=clock)
+    late, _ = prompt(store, keys_of(0, 4))
+    store.close(late, pin_seconds=10)
+    soon, _ = prompt(store, keys_of(10, 4))
+    store.close(soon, pin_seconds=2)
+    for first in (20, 30, 40):  # the 2 free blocks, then one pinned
+        prompt(store, keys_of(first, 4))
+    assert cached_tokens(store, keys_of(0, 4)) == 4 and cached_tokens(store, keys_of(10, 4)) == 0
 
 
 def test_a_pin_keeps_what_extending_the_sequence_at_its_last_whole_block_needs():

@@ -141,7 +141,7 @@ def test_a_dropped_read_releases_its_blocks(tiny_dir, tokenizer):
     assert store.stats["blocks_used"] == 0  # nothing still referenced: the long prompt's blocks released
 
 
-def test_a_read_the_store_cannot_hold_fails_alone_with_a_503(tiny_dir, tokenizer):
+def test_a_read_the_store_cannot_hold_fails_alone_with_a_503(tiny_dir, tokenizer, caplog):
     # About 400 KiB of KV (7 blocks a pool): a short prompt fits, the long state does not.
     reader, _ = flat_reader(tiny_dir, prompt_cache_gb=400 * 1024 / 2**30, prefill_chunk=48)
     long = spec_for(tokenizer, LONG_STATE, "q1: yes", [42])
@@ -158,6 +158,8 @@ def test_a_read_the_store_cannot_hold_fails_alone_with_a_503(tiny_dir, tokenizer
     assert isinstance(failed, EngineUnavailable) and "KV store is full" in str(failed)
     assert not isinstance(answered, Exception) and len(answered[0].slots) == 1
     assert reader.runner.flat.store.stats["store_full"] >= 1
+    assert reader.runner.stats["flat_store_full"] == reader.runner.flat.store.stats["store_full"]  # /metrics
+    assert any("KV store had no room" in record.getMessage() for record in caplog.records)
 
 
 def test_a_failed_turn_fails_its_jobs_and_the_next_turn_runs(tiny_dir, tokenizer):
