@@ -237,7 +237,8 @@ class HFSettings:
     flat_turn: bool = field(default=False, metadata=_meta(
         "FLAT_TURN", "hf: 1 runs each engine turn as one forward over a flat batch of every queued read's and "
         "generation's new tokens (prompt chunks and canvases together), the prompts' KV in shared blocks "
-        "(docs/design.md §4.10); 0 = the row path, the default until the flat turn's GPU A/B"))
+        "(docs/design.md §4.10); on an 80 GB card it serves the walk 15x and starts sooner, but misses the "
+        "ticket's served rate (docs/benchmarks.md); 0 = the row path, the default"))
     turn_tokens: int = field(default=0, metadata=_meta(
         "TURN_TOKENS", "hf, FLAT_TURN=1: the most new tokens (prompt chunks and canvases) one engine turn takes; "
         "what does not fit waits for the next turn in its place (at least 1024; 0 = 8192 on CUDA, 2048 on the "
