@@ -13,8 +13,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generator, Protocol, Sequence
 
+import torch
+
 from app.engine.hf.flat.attention import ReferenceAttention, SegmentAttention
-from app.engine.hf.flat.blocks import KVStore, LayerShape
+from app.engine.hf.flat.blocks import BLOCK_TOKENS, KVStore, LayerShape, block_bytes
 from app.engine.hf.flat.forward import FlatForward
 from app.engine.hf.flat.layout import Kind
 from app.engine.hf.flat.pieces import GraphReport, PiecewiseConfig
@@ -34,6 +36,24 @@ log = logging.getLogger("djev.engine")
 
 # The fewest tokens a turn may hold: a widest canvas and an image beside a prompt's chunk.
 MIN_TURN_TOKENS = 1024
+
+
+# The full-attention pool holds this many times the sliding pool's tokens. A prompt past the window
+# keeps a window of sliding blocks but every full one; with as many blocks in each pool, an H100's
+# 7.8 GiB store held about 38,000 tokens a pool, and one 26,000-token state took two thirds of the
+# full pool (its sliding layers, ten times the bytes a token, kept 1,024). Twice the tokens there
+# costs short prompts (which need both) 8 % of their room on the full size.
+FULL_TOKENS_PER_SLIDING = 2
+
+
+def sliding_share(shapes: Sequence[LayerShape], store_bytes: int, dtype: torch.dtype) -> int | None:
+    """The sliding pool's bytes of `store_bytes` (None: a model with one kind of layer, whose other
+    pool holds nothing)."""
+    sliding = block_bytes([shape for shape in shapes if shape.sliding], BLOCK_TOKENS, dtype)
+    full = block_bytes([shape for shape in shapes if not shape.sliding], BLOCK_TOKENS, dtype)
+    if not sliding or not full:
+        return None
+    return store_bytes * sliding // (sliding + FULL_TOKENS_PER_SLIDING * full)
 
 
 class Program(Protocol):
@@ -92,7 +112,8 @@ class FlatEngine:
         self.runner = runner
         self.budget = budget
         self.store = KVStore(shapes, window, store_bytes, runner.device, model.dtype,
-                             preallocate=runner.device.type == "cuda")
+                             preallocate=runner.device.type == "cuda",
+                             sliding_bytes=sliding_share(shapes, store_bytes, model.dtype))
         # CUDA: every segment of a layer in one Triton launch; elsewhere SDPA segment by segment.
         self.attention: ReferenceAttention | SegmentAttention = (
             SegmentAttention(self.store, window) if runner.device.type == "cuda" else ReferenceAttention(self.store, window))

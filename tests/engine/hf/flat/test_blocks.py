@@ -463,3 +463,17 @@ def test_random_traffic_keeps_every_sequence_reading_its_own_kv():
                 assert_reads(store, seq, kv, held(seq)[0] * B, seq.written, layers=[0, 1])
     stats = store.stats
     assert refused and stats["evictions"] and stats["hit_tokens"]  # the traffic did reach all three
+
+
+def test_the_engines_store_gives_the_full_pool_twice_the_sliding_pools_tokens():
+    from app.engine.hf.flat.engine import FULL_TOKENS_PER_SLIDING, sliding_share
+
+    # The full size's layers: 5 full (2 KV heads x 512), 25 sliding (8 x 256), bf16.
+    shapes = [LayerShape(False, 2, 512)] * 5 + [LayerShape(True, 8, 256)] * 25
+    budget = 8 << 30
+    store = KVStore(shapes, 1024, budget, "cpu", torch.bfloat16,
+                    sliding_bytes=sliding_share(shapes, budget, torch.bfloat16))
+    full, sliding = store._full.limit, store._sliding.limit  # blocks each pool may hold
+    assert abs(full - FULL_TOKENS_PER_SLIDING * sliding) <= 2
+    assert full * store._full.block_bytes + sliding * store._sliding.block_bytes <= budget
+    assert sliding_share([LayerShape(False, 2, 64)], budget, torch.float32) is None  # one kind: one pool
