@@ -39,6 +39,14 @@ def test_bench_gpu_decisions_tiny_runs(tmp_path):
     assert data and "|" in result["stdout"]
 
 
+@pytest.mark.timeout(600)
+def test_bench_gpu_decisions_tiny_runs_on_the_flat_turn(tmp_path):
+    result = run_bench("bench_gpu_decisions.py", "--flat-turn", "--seconds", "1", "--reps", "2", "--no-grids",
+                       "--levels", "1", "--no-naive", "--out", str(tmp_path / "flat.json"), out=tmp_path)
+    data = json.loads((tmp_path / "flat.json").read_text())
+    assert data["unique"]["p50_ms"] > 0 and "the flat turn" in result["stdout"]
+
+
 @pytest.mark.timeout(300)
 def test_bench_gpu_served_tiny_runs(tmp_path):
     from PIL import Image
