@@ -55,6 +55,16 @@ VLLM_ENV = {**vllm_cpu_env(), "VLLM_RPC_BASE_PATH": RPC_DIR}
 Command = tuple[list[str], str, Path, dict[str, str]]
 
 
+def interpreted_checks(script: Path) -> dict:
+    """Run a checks script of Triton kernels in the CPU vLLM venv (it has Triton) under Triton's
+    interpreter; the JSON object its last line prints."""
+    python = require_vllm()
+    done = subprocess.run([str(python), str(script)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def require_vllm() -> Path:
     """The CPU vLLM venv's python, or skip (fail under CI) with what to run."""
     if VLLM_PYTHON.is_file():

@@ -6,24 +6,16 @@ it with torch's kernels only (the CPU path)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-
 import pytest
 
-from tests.vllm_support import REPO, require_vllm
+from tests.vllm_support import REPO, interpreted_checks
 
 CHECKS = REPO / "tests" / "engine" / "hf" / "attention" / "checks.py"
 
 
 @pytest.fixture(scope="module")
 def checked() -> dict:
-    python = require_vllm()
-    done = subprocess.run([str(python), str(CHECKS)], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreted_checks(CHECKS)
 
 
 def exact(case: dict) -> bool:

@@ -7,28 +7,20 @@ pure and checked here directly."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-
 import pytest
 import torch
 
 from app.engine.hf.flat.attention import kernel_metadata
 from app.engine.hf.flat.blocks import KVStore, LayerShape
 from app.engine.hf.flat.layout import Kind, Segment, TurnLayout
-from tests.vllm_support import REPO, require_vllm
+from tests.vllm_support import REPO, interpreted_checks
 
 CHECKS = REPO / "tests" / "engine" / "hf" / "flat" / "kernel_checks.py"
 
 
 @pytest.fixture(scope="module")
 def checked() -> dict:
-    python = require_vllm()
-    done = subprocess.run([str(python), str(CHECKS)], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreted_checks(CHECKS)
 
 
 def test_every_kind_of_segment_reads_what_the_reference_reads_in_one_launch(checked):

@@ -168,10 +168,13 @@ LENGTHS = {"A": 90, "B": 79, "C": 37}
 OWN_SIZES = tuple(sorted({sum(ask.tokens for ask in asks) for asks, _ in TURNS}))  # (11, 21, 58, 60, 86)
 
 
-def run_both(model, buckets: tuple[int, ...]) -> tuple[Setup, float, float]:
-    """TURNS on the plain forward and on the pieces over `buckets`, each turn's hidden states and KV
-    compared: the piecewise setup, and the largest differences in hidden states and in the pools."""
+def run_both(model, buckets: tuple[int, ...], compile=None) -> tuple[Setup, float, float]:
+    """TURNS on the plain forward and on the pieces over `buckets` (their layer bodies through
+    `compile` where given), each turn's hidden states and KV compared: the piecewise setup, and the
+    largest differences in hidden states and in the pools."""
     plain, pieces = make(model, None), make(model, PiecewiseConfig(buckets, capture=False))
+    if compile is not None:
+        pieces.forward.compile(compile)
     opened = {id(setup): {name: open_sequence(setup.store, name, length) for name, length in LENGTHS.items()}
               for setup in (plain, pieces)}
     hidden = pools = 0.0
@@ -185,7 +188,6 @@ def run_both(model, buckets: tuple[int, ...]) -> tuple[Setup, float, float]:
             assert want.hidden.shape == have.hidden.shape
             hidden = max(hidden, float((want.hidden - have.hidden).abs().max()))
         pools = max(pools, pool_difference(plain.store, pieces.store))
-    assert pieces.stats["flat_graph_fallbacks"] == 0
     return pieces, hidden, pools
 
 
@@ -195,12 +197,13 @@ def test_padded_turns_read_and_write_what_the_plain_forward_does(model):
         assert bucket_for(tokens, BUCKETS) == bucket != tokens
     pieces, hidden, pools = run_both(model, BUCKETS)
     assert hidden < PADDED_TOLERANCE and pools < PADDED_TOLERANCE
+    assert pieces.stats["flat_graph_fallbacks"] == 0
     assert pieces.stats["flat_graphs_built"] == len({bucket for _, bucket in TURNS})  # built once, then reused
 
 
 def test_unpadded_turns_are_bitwise_the_plain_forward(model):
-    _, hidden, pools = run_both(model, OWN_SIZES)
-    assert hidden == 0.0 and pools == 0.0
+    pieces, hidden, pools = run_both(model, OWN_SIZES)
+    assert hidden == 0.0 and pools == 0.0 and pieces.stats["flat_graph_fallbacks"] == 0
 
 
 def pool_difference(expected: KVStore, got: KVStore) -> float:
@@ -279,16 +282,7 @@ def test_compiled_layer_bodies_read_what_the_eager_ones_do(model):
     forward of a turn past the largest bucket, against the plain forward."""
     import functools
 
-    plain, compiled = make(model, None), make(model, PiecewiseConfig((16, 32, 64), capture=False))
-    compiled.forward.compile(functools.partial(torch.compile, backend="aot_eager", dynamic=None))
-    opened = {id(setup): {name: open_sequence(setup.store, name, length) for name, length in LENGTHS.items()}
-              for setup in (plain, compiled)}
-    for seed, (asks, _) in enumerate(TURNS):  # sizes 11 to 86: buckets 16, 32, 64 and one past them
-        expected = parts_for(plain, opened[id(plain)], asks, seed, model)
-        got = parts_for(compiled, opened[id(compiled)], asks, seed, model)
-        plain.turn.run(expected)
-        compiled.turn.run(got)
-        for want, have in zip(expected, got):
-            assert want.hidden is not None and have.hidden is not None
-            assert float((want.hidden - have.hidden).abs().max()) < PADDED_TOLERANCE
-    assert compiled.stats["flat_graph_fallbacks"] == 1  # the 86-token turn: the compiled eager forward
+    compile = functools.partial(torch.compile, backend="aot_eager", dynamic=None)
+    pieces, hidden, pools = run_both(model, (16, 32, 64), compile)  # sizes 11 to 86: one past the buckets
+    assert hidden < PADDED_TOLERANCE and pools < PADDED_TOLERANCE
+    assert pieces.stats["flat_graph_fallbacks"] == 1  # the 86-token turn: the compiled eager forward
