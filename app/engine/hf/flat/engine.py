@@ -26,9 +26,10 @@ from app.engine.hf.flat.turn import FlatTurn, Part
 from app.engine.hf.parts import encoder_layers, layer_types, text_config
 
 if TYPE_CHECKING:
-    from app.engine.base import GenerateChunk, Prompt
+    from app.engine.base import GenerateChunk, Prompt, SlotRead
     from app.engine.hf.flat.generate import GenerateProgram
     from app.engine.hf.flat.host import Host
+    from app.engine.hf.flat.reads import SlotAsk
     from app.engine.hf.generation_state import Generation
     from app.engine.hf.prompts import Preprocessed
 
@@ -68,7 +69,9 @@ class Program(Protocol):
 
     def parts(self, store: KVStore, room: int, chunk: int, rows: int) -> list[Part]: ...
 
-    def take(self) -> None: ...
+    def slot_asks(self) -> SlotAsk | None: ...
+
+    def take(self, reads: Sequence[SlotRead] = ()) -> None: ...
 
     def close(self, store: KVStore) -> None: ...
 
@@ -157,8 +160,10 @@ class FlatEngine:
             runner.step_note = (f"a flat turn of {len(parts)} part(s): {counts[Kind.PROMPT]} prompt and "
                                 f"{counts[Kind.CANVAS]} canvas token(s)")
             self.turn.run(parts)
-            for entry in ran:
-                entry.work.take()
+            slots = [entry.work.slot_asks() for entry in ran]
+            reads = self._read_slots([wanted for wanted in slots if wanted is not None])
+            for entry, wanted in zip(ran, slots):
+                entry.work.take(reads.pop(0) if wanted is not None else ())
             runner.stats["flat_turns"] += 1
             runner.stats["flat_prompt_tokens"] += counts[Kind.PROMPT]
             runner.stats["flat_canvas_tokens"] += counts[Kind.CANVAS]
@@ -184,6 +189,20 @@ class FlatEngine:
                         stats["blocks_allocated"], stats["blocks_pinned"])
         for name in ("store_full", "evictions", "pins_broken"):
             counters[f"flat_{name}"] = stats[name]
+
+    def _read_slots(self, asks: list[SlotAsk]) -> list[list[SlotRead]]:
+        """Every program's slot reads of the turn through one `slot_reads_at`: the unembedding's
+        262k x hidden matrix read once for all of them (a chunk of SLOT_CHUNK slots at a time), and
+        one copy to the host, not one a program."""
+        if not asks:
+            return []
+        labels = [ids for ask in asks for ids in ask.labels]
+        reads = self.runner.slot_reads_at(torch.cat([ask.hidden for ask in asks]), labels)
+        split, offset = [], 0
+        for ask in asks:
+            split.append(reads[offset:offset + len(ask.labels)])
+            offset += len(ask.labels)
+        return split
 
     def release(self, program: Program) -> None:
         """A program that ended or was dropped: its sequences released, its preparation forgotten."""

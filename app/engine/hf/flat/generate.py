@@ -9,9 +9,9 @@ it lives: the generation's own sequence in the store (its prompt's prefix shared
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
-from app.engine.base import GenerateChunk, GenerateSpec
+from app.engine.base import GenerateChunk, GenerateSpec, SlotRead
 from app.engine.hf.flat.layout import Kind
 from app.engine.hf.flat.turn import Part
 from app.engine.hf.generation_state import Generation, check_spec
@@ -106,7 +106,11 @@ class GenerateProgram:
         parts.append(self.canvas)
         return parts
 
-    def take(self) -> None:
+    def slot_asks(self) -> None:
+        """A generation reads no slots (its pass samples its whole canvas)."""
+        return None
+
+    def take(self, reads: Sequence[SlotRead] = ()) -> None:
         """The turn ran: the commit's tokens counted, the pass's sampler step, the chunk for the caller."""
         gen = self.gen
         assert gen is not None

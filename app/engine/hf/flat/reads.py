@@ -32,6 +32,14 @@ if TYPE_CHECKING:
 FOLLOW_UP_PIN_S = 2.0
 
 
+@dataclass(frozen=True)
+class SlotAsk:
+    """A program's slots to read after a turn: their hidden states [slots, hidden] and label ids."""
+
+    hidden: torch.Tensor
+    labels: list[Sequence[int]]
+
+
 @dataclass(eq=False)
 class Row:
     """One canvas of one spec, through its steps."""
@@ -122,20 +130,27 @@ class ReadProgram:
             room -= len(row.canvas)
         return parts
 
-    def take(self) -> None:
-        """The turn ran: its last steps' slot reads, its other steps' sampling; the reads now whole."""
+    def slot_asks(self) -> SlotAsk | None:
+        """The turn ran: what its canvases at their last step read (their slots' hidden states and
+        label ids), for the engine to unembed with every other program's in one go; None if none."""
+        finals = self._finals()
+        if not finals:
+            return None
+        return SlotAsk(torch.cat([_hidden(row) for row in finals]),
+                       [ids for row in finals for ids in self.specs[row.spec].label_ids])
+
+    def take(self, reads: Sequence[SlotRead] = ()) -> None:
+        """The turn ran: its last steps' slot reads (`reads`, answering `slot_asks` in order), its other
+        steps' sampling; the reads now whole."""
         runner = self.runner
         ran = [row for row in self.rows if row.planned is not None]
-        finals = [row for row in ran if row.steps_left == 1]
-        if finals:
-            hidden = torch.cat([_hidden(row) for row in finals])
-            labels = [ids for row in finals for ids in self.specs[row.spec].label_ids]
-            reads = runner.slot_reads_at(hidden, labels)
-            offset = 0
-            for row in finals:
-                count = len(self.specs[row.spec].slots)
-                row.reads = tuple(reads[offset:offset + count])
-                offset += count
+        offset = 0
+        for row in self._finals():
+            count = len(self.specs[row.spec].slots)
+            row.reads = tuple(reads[offset:offset + count])
+            offset += count
+        if offset != len(reads):
+            raise ValueError(f"{len(reads)} slot reads for {offset} slots")
         settings = runner.generation
         for row in ran:
             if row.steps_left > 1:
@@ -149,6 +164,10 @@ class ReadProgram:
             row.planned = None
         self.turns += 1
         self._settle()
+
+    def _finals(self) -> list[Row]:
+        """The rows that ran their last step this turn."""
+        return [row for row in self.rows if row.planned is not None and row.steps_left == 1]
 
     def close(self, store: KVStore) -> None:
         """Its prompts' sequences released (pinned a little while for a follow-up stage)."""

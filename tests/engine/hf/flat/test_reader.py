@@ -262,3 +262,29 @@ def test_the_flat_turn_keeps_the_vision_graphs_and_none_of_the_row_paths(tiny_di
     assert runner.vision_graphs is not None  # images still go through the tower's graphs by frame count
     assert runner.graphs is None and runner.encoder_graphs is None  # the flat turn's own graphs are by token count
     assert set(runner.prepare_graphs()) == {"vision"}
+
+
+def test_a_turns_reads_go_through_the_unembedding_once_for_every_program(tiny_dir, tokenizer):
+    from app.engine.hf.flat.engine import Solo
+    from app.engine.hf.flat.reads import ReadProgram
+
+    reader, _ = flat_reader(tiny_dir)
+    runner = reader.runner
+    alone = [runner.read([spec])[0] for spec in many_canvases(tokenizer, 4, "apart")]
+    calls: list[int] = []
+    read = runner.slot_reads_at
+
+    def counted(hidden, labels):
+        calls.append(len(labels))
+        return read(hidden, labels)
+
+    runner.slot_reads_at = counted
+    programs = [ReadProgram(runner, [spec], None) for spec in many_canvases(tokenizer, 4, "apart")]
+    while not all(program.done for program in programs):
+        runner.flat.step([Solo(program) for program in programs])
+    assert calls == [4]  # one call, the 4 programs' slots together
+    for program, want in zip(programs, alone):
+        got = program.results[0]
+        assert not isinstance(got, Exception) and got is not None and not isinstance(want, Exception)
+        assert [p for slot in got.slots[0] for p in slot.label_logprobs] == pytest.approx(
+            [p for slot in want.slots[0] for p in slot.label_logprobs], abs=1e-5)
