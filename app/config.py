@@ -241,7 +241,7 @@ class HFSettings:
         "ticket's served rate (docs/benchmarks.md); 0 = the row path, the default"))
     turn_tokens: int = field(default=0, metadata=_meta(
         "TURN_TOKENS", "hf, FLAT_TURN=1: the most new tokens (prompt chunks and canvases) one engine turn takes; "
-        "what does not fit waits for the next turn in its place (at least 1024; 0 = 8192 on CUDA, 2048 on the "
+        "what does not fit waits for the next turn in its place (at least 1024; 0 = 4096 on CUDA, 2048 on the "
         "CPU, where a turn of the tiny model costs ~0.3 ms a token: a steady client waits at most one turn)"))
 
     def problems(self) -> list[str]:

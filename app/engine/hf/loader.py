@@ -210,9 +210,11 @@ def prompt_kv_bytes(model: DiffusionGemmaForBlockDiffusion, tokens: int) -> int:
 
 
 # TURN_TOKENS=0: a flat turn's budget by the device. On the CPU a turn of the tiny model costs about
-# 0.3 ms a token, so 2048 keeps a steady client's wait near half a second; on CUDA 8192 tokens are
-# ~100 ms at the H200's compute floor (about 6 GFLOP a token).
-CUDA_TURN_TOKENS = 8192
+# 0.3 ms a token, so 2048 keeps a steady client's wait near half a second. A steady client waits up
+# to two turns: beside the served burst on an H100, turns of up to 8192 tokens gave it a p99 of
+# 911 ms (docs/benchmarks.md), and past ~4000 tokens a turn's time grows with its tokens, so 4096
+# halves that wait for little throughput (the ticket's turns at 32 clients hold ~3,900 tokens).
+CUDA_TURN_TOKENS = 4096
 CPU_TURN_TOKENS = 2048
 
 

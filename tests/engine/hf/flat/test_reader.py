@@ -249,7 +249,7 @@ def test_images_are_preprocessed_off_the_engine_thread(tiny_dir, tokenizer):
 def test_the_turn_budget_is_turn_tokens_or_by_the_device(tiny_dir):
     from app.engine.hf.loader import CPU_TURN_TOKENS, CUDA_TURN_TOKENS, flat_turn_tokens
 
-    assert flat_turn_tokens(0, on_cuda=True) == CUDA_TURN_TOKENS == 8192
+    assert flat_turn_tokens(0, on_cuda=True) == CUDA_TURN_TOKENS == 4096
     assert flat_turn_tokens(0, on_cuda=False) == CPU_TURN_TOKENS == 2048
     assert flat_turn_tokens(4096, on_cuda=False) == 4096
     assert make_tiny_reader(tiny_dir, flat_turn=True).runner.flat.budget == CPU_TURN_TOKENS
