@@ -326,6 +326,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         compile_layers(model, text=not args.flat_turn)
     flat = reader.runner.flat
+    if flat is not None and args.compile:  # its layer bodies, as the loader compiles them
+        import functools
+
+        flat.forward.compile(functools.partial(torch.compile, dynamic=None))
     if flat is not None and on_cuda and not args.eager:  # the flat turn's graphs by token count, as at start-up
         flat.prepare_graphs()
     await reader.start()
