@@ -443,6 +443,10 @@ class KVStore:
             "blocks_free": sum(len(pool.free) for pool in pools),
             "full_blocks": self._full.blocks,
             "sliding_blocks": self._sliding.blocks,
+            "full_limit": self._full.limit,  # the blocks each pool may hold (its share of max_bytes)
+            "sliding_limit": self._sliding.limit,
+            "full_block_bytes": self._full.block_bytes,
+            "sliding_block_bytes": self._sliding.block_bytes,
             "bytes": sum(pool.blocks * pool.block_bytes for pool in pools),
             "hit_tokens": self._hit_tokens,
             "evictions": self._evictions,

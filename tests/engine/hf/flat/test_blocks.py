@@ -473,7 +473,8 @@ def test_the_engines_store_gives_the_full_pool_twice_the_sliding_pools_tokens():
     budget = 8 << 30
     store = KVStore(shapes, 1024, budget, "cpu", torch.bfloat16,
                     sliding_bytes=sliding_share(shapes, budget, torch.bfloat16))
-    full, sliding = store._full.limit, store._sliding.limit  # blocks each pool may hold
+    stats = store.stats
+    full, sliding = stats["full_limit"], stats["sliding_limit"]  # blocks each pool may hold
     assert abs(full - FULL_TOKENS_PER_SLIDING * sliding) <= 2
-    assert full * store._full.block_bytes + sliding * store._sliding.block_bytes <= budget
+    assert full * stats["full_block_bytes"] + sliding * stats["sliding_block_bytes"] <= budget
     assert sliding_share([LayerShape(False, 2, 64)], budget, torch.float32) is None  # one kind: one pool
