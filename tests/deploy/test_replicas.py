@@ -99,10 +99,19 @@ def fleet(tiny_dir: Path, work: Path, certs: Path):
 
 
 @pytest.fixture
-def proxies():
-    """Start HAProxy instances through `proxies.append(...)`; each is stopped after the test."""
+def balancer(work):
+    """Start HAProxy over replicas (`balancer(replicas, up=True, **options)`), by default waiting until
+    it counts every one up; each is stopped after the test."""
     running: list[Haproxy] = []
-    yield running
+
+    def start(replicas: list[Replica], up: bool = True, **options) -> Haproxy:
+        proxy = start_haproxy(replicas, work, max_sessions=MAX_SESSIONS, **options)
+        running.append(proxy)
+        for replica in replicas if up else ():
+            proxy.wait_state(replica.id, "UP")
+        return proxy
+
+    yield start
     for proxy in running:
         proxy.stop()
 
@@ -160,12 +169,9 @@ def one_frame(ws: ClientConnection) -> dict:
     return receive(ws, "result", timeout=20)
 
 
-def test_rest_spreads_over_the_replicas_each_answer_naming_its_own(fleet, work, proxies):
+def test_rest_spreads_over_the_replicas_each_answer_naming_its_own(fleet, balancer):
     replicas = [fleet["r1"], fleet["r2"], fleet["r3"]]
-    proxy = start_haproxy(replicas, work, max_sessions=MAX_SESSIONS)
-    proxies.append(proxy)
-    for replica in replicas:
-        proxy.wait_state(replica.id, "UP")
+    proxy = balancer(replicas)
     with httpx.Client(base_url=proxy.url, timeout=20) as client:
         spread = Counter(landed(decide(client)) for _ in range(30))
         health = client.get("/health")
@@ -174,12 +180,9 @@ def test_rest_spreads_over_the_replicas_each_answer_naming_its_own(fleet, work, 
     assert health.status_code == 200 and landed(health) in spread
 
 
-def test_twelve_cameras_spread_four_a_replica_and_a_refused_thirteenth_lands_where_one_closed(fleet, work, proxies):
+def test_twelve_cameras_spread_four_a_replica_and_a_refused_thirteenth_lands_where_one_closed(fleet, balancer):
     replicas = [fleet["r1"], fleet["r2"], fleet["r3"]]
-    proxy = start_haproxy(replicas, work, max_sessions=MAX_SESSIONS)
-    proxies.append(proxy)
-    for replica in replicas:
-        proxy.wait_state(replica.id, "UP")
+    proxy = balancer(replicas)
     no_cameras(replicas)
     cameras: list[tuple[ClientConnection, str]] = []
     try:
@@ -207,13 +210,12 @@ def test_twelve_cameras_spread_four_a_replica_and_a_refused_thirteenth_lands_whe
             ws.close()
 
 
-def test_a_starting_replica_gets_nothing_until_it_is_ready(fleet, work, proxies):
+def test_a_starting_replica_gets_nothing_until_it_is_ready(fleet, balancer):
     late = fleet["late"]
     assert late.gate is not None and not late.gate.exists(), "runs before the kill test opens the gate"
     assert late.health()["status"] == "starting"
     replicas = [fleet["r1"], fleet["r2"], late]
-    proxy = start_haproxy(replicas, work, max_sessions=MAX_SESSIONS)
-    proxies.append(proxy)
+    proxy = balancer(replicas, up=False)
     with httpx.Client(base_url=proxy.url, timeout=20) as client:
         # From HAProxy's first instant: HAProxy counts a server up until its first check (the third
         # server's comes 2/3 of CHECK_INTERVAL_MS in), and a request that meets the starting
@@ -240,13 +242,10 @@ def test_a_starting_replica_gets_nothing_until_it_is_ready(fleet, work, proxies)
     assert set(after) == {"r1", "r2", "late"}, after
 
 
-def test_through_https_at_the_balancer_one_authority_verifies_every_replica(fleet, work, certs, proxies):
+def test_through_https_at_the_balancer_one_authority_verifies_every_replica(fleet, certs, balancer):
     bundle = tls.ensure_bundle(certs)  # `djev cert`: the balancer's certificate, chain and key
     replicas = [fleet["r1"], fleet["r2"], fleet["r3"]]
-    proxy = start_haproxy(replicas, work, max_sessions=MAX_SESSIONS, crt=bundle)
-    proxies.append(proxy)
-    for replica in replicas:
-        proxy.wait_state(replica.id, "UP")
+    proxy = balancer(replicas, crt=bundle)
     authority = certs / tls.CA_CERT_NAME
     context = ssl.create_default_context(cafile=str(authority))  # the authority alone, as a phone has it
     with httpx.Client(base_url=proxy.https_url, timeout=20, verify=context) as client:
@@ -262,16 +261,13 @@ def test_through_https_at_the_balancer_one_authority_verifies_every_replica(flee
         assert replica in {"r1", "r2", "r3"} and one_frame(ws)["frame"] == 1
 
 
-def test_a_replica_killed_mid_run_moves_its_cameras_and_costs_rest_clients_nothing_more(fleet, work, proxies):
+def test_a_replica_killed_mid_run_moves_its_cameras_and_costs_rest_clients_nothing_more(fleet, balancer):
     late = fleet["late"]
     if late.gate is not None:
         late.open_gate()  # when this test runs alone
     wait_for("late to be ready", late.ready, 60, every=0.2, log=lambda: tail(late.log))
     replicas = [fleet["r1"], fleet["r2"], late]
-    proxy = start_haproxy(replicas, work, max_sessions=MAX_SESSIONS)
-    proxies.append(proxy)
-    for replica in replicas:
-        proxy.wait_state(replica.id, "UP")
+    proxy = balancer(replicas)
     no_cameras(replicas)
 
     stopping = threading.Event()
