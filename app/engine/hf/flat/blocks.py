@@ -431,6 +431,12 @@ class KVStore:
     # ------------------------------------------------------------------ accounting
 
     @property
+    def totals(self) -> dict[str, int]:
+        """The running counts alone (what the engine copies into its counters every turn; `stats`
+        also walks the pins): reads refused for room, blocks evicted, pins broken."""
+        return {"store_full": self._store_full, "evictions": self._evictions, "pins_broken": self._pins_broken}
+
+    @property
     def stats(self) -> dict[str, int]:
         """Blocks of both pools: allocated = used (referenced) + cached (whole, unreferenced) + free;
         pinned: the cached ones pinned now. bytes: the pools' allocated bytes."""
@@ -449,7 +455,5 @@ class KVStore:
             "sliding_block_bytes": self._sliding.block_bytes,
             "bytes": sum(pool.blocks * pool.block_bytes for pool in pools),
             "hit_tokens": self._hit_tokens,
-            "evictions": self._evictions,
-            "pins_broken": self._pins_broken,  # pinned blocks evicted for a running read's room
-            "store_full": self._store_full,
+            **self.totals,  # pins_broken: pinned blocks evicted for a running read's room
         }

@@ -181,14 +181,15 @@ class FlatEngine:
     def _store_counters(self) -> None:
         """The KV store's totals into the runner's counters (/metrics): reads it had no room for (each
         failed alone with a 503, logged here), blocks evicted, pins broken for a running read."""
-        stats, counters = self.store.stats, self.runner.stats
-        refused = stats["store_full"] - counters["flat_store_full"]
+        totals, counters = self.store.totals, self.runner.stats
+        refused = totals["store_full"] - counters["flat_store_full"]
         if refused > 0:
+            stats = self.store.stats
             log.warning("the KV store had no room for %d read(s) this turn (failed with 503): %d of its %d blocks in "
                         "use, %d pinned; a larger PROMPT_CACHE_GB holds more", refused, stats["blocks_used"],
                         stats["blocks_allocated"], stats["blocks_pinned"])
-        for name in ("store_full", "evictions", "pins_broken"):
-            counters[f"flat_{name}"] = stats[name]
+        for name, total in totals.items():
+            counters[f"flat_{name}"] = total
 
     def _read_slots(self, asks: list[SlotAsk]) -> list[list[SlotRead]]:
         """Every program's slot reads of the turn through one `slot_reads_at`: the unembedding's
