@@ -203,6 +203,11 @@ class StreamSettings:
         return problems
 
 
+# The fewest tokens an engine turn may hold (TURN_TOKENS): a widest default canvas beside the largest
+# image of the full-size model's processor (128 + 280), with room for a prompt's tail.
+MIN_TURN_TOKENS = 1024
+
+
 @dataclass(frozen=True)
 class HFSettings:
     """The hf engine (transformers in this process)."""
@@ -218,9 +223,12 @@ class HFSettings:
     kv_cache_entries: int = field(default=64, metadata=_meta(
         "KV_CACHE_ENTRIES", "encoded prompts kept for reuse (hf engine; the shared-prefix LRU keeps min(N, 16); "
         "0 turns both off)"))
-    prompt_cache_gb: float = field(default=16.0, metadata=_meta(
-        "PROMPT_CACHE_GB", "hf: GiB the encoded prompts kept for reuse may hold at most, so a few long states "
-        "cannot fill the GPU (0 = bounded by KV_CACHE_ENTRIES only)"))
+    prompt_cache_gb: float = field(default=0.0, metadata=_meta(
+        "PROMPT_CACHE_GB", "hf: GiB of the KV store, which holds every prompt's keys and values in blocks shared "
+        "by prompts that begin alike, and decides the longest state read (MAX_PROMPT_TOKENS within it, shown in "
+        "/health); 0 = sized at start: on CUDA the memory the weights leave less 8 GiB for a turn's work "
+        "(~23 GiB on an 80 GB card), 16 on the CPU, where it grows as it fills. FLAT_TURN=0: the encoded "
+        "prompts' LRU, 0 = bounded by KV_CACHE_ENTRIES only"))
     cuda_graphs: bool = field(default=True, metadata=_meta(
         "CUDA_GRAPHS", "1 replays decoder passes as CUDA graphs (CUDA only; 0 = eager)"))
     torch_compile: bool = field(default=True, metadata=_meta(
@@ -241,7 +249,8 @@ class HFSettings:
         "ticket's served rate (docs/benchmarks.md); 0 = the row path, the default"))
     turn_tokens: int = field(default=0, metadata=_meta(
         "TURN_TOKENS", "hf, FLAT_TURN=1: the most new tokens (prompt chunks and canvases) one engine turn takes; "
-        "what does not fit waits for the next turn in its place (at least 1024; 0 = 4096 on CUDA, 2048 on the "
+        f"what does not fit waits for the next turn in its place (at least {MIN_TURN_TOKENS}, and at least CANVAS "
+        "beside the model's largest image, checked at start; 0 = 4096 on CUDA, 2048 on the "
         "CPU, where a turn of the tiny model costs ~0.3 ms a token: a steady client waits at most one turn)"))
 
     def problems(self) -> list[str]:
@@ -250,8 +259,8 @@ class HFSettings:
             problems.append(f"BATCH_GATHER_ROWS must be at least 0, not {self.batch_gather_rows}")
         if self.prefill_chunk < 16:
             problems.append(f"PREFILL_CHUNK must be at least 16 tokens, not {self.prefill_chunk}")
-        if self.turn_tokens and self.turn_tokens < 1024:
-            problems.append(f"TURN_TOKENS must be at least 1024 tokens (a widest canvas beside an image), not "
+        if self.turn_tokens and self.turn_tokens < MIN_TURN_TOKENS:
+            problems.append(f"TURN_TOKENS must be at least {MIN_TURN_TOKENS} tokens (a widest canvas beside an image), not "
                             f"{self.turn_tokens}")
         if not self.prompt_cache_gb >= 0:
             problems.append(f"PROMPT_CACHE_GB must be at least 0, not {self.prompt_cache_gb}")

@@ -6,13 +6,18 @@
   reported last, `done`/`total` its progress, `elapsed_s` the seconds since the load began.
 - `failed` (503): the load failed; `reason` says why (the server exits seconds later).
 - `ok` (200): ready.
-- `degraded` (200): ready, but the engine had to degrade; `reason` says how (with the remote engine:
-  some upstreams are down, each named once with its error).
+- `degraded` (200): ready, but something failed and the engine serves less well; `reason` says what
+  (a CUDA graph capture that failed, so those turns run eagerly; with the remote engine: some upstreams
+  are down, each named once with its error). A limit the device sets (the KV store's size, the longest
+  state) is configuration, not a fault: it is logged at start and shown here (`max_prompt_tokens`).
 - `unavailable` (503): the engine is not running (stopped, or no upstream up: then `reason` names
   each upstream once with its last error).
 
 With the remote engine, `upstreams` lists each one: `{"url", "state": "up"|"down", "last_error"}`
 (the bare error; null while up).
+
+`max_prompt_tokens` is the longest state (in tokens) the engine reads: on `hf`, MAX_PROMPT_TOKENS within
+what its KV store holds on this device; a longer one is refused at once (400 `max_tokens_exceeded`).
 
 `auth` says whether POST routes and camera sessions require the API key (API_KEY set).
 """
@@ -59,6 +64,7 @@ async def health(request: Request) -> Response:
         "tiny": info.tiny,
         "auth": bool(svc.settings.server.api_key),
         "canvas": info.canvas_length,
+        "max_prompt_tokens": info.max_prompt_tokens,  # the longest state read (0: not said by the engine)
         "in_flight": svc.admission.in_flight,
         "in_flight_cost": svc.admission.cost,
         "sessions": len(svc.sessions),

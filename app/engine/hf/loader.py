@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from app.engine.base import ReaderInfo, StartupProgress
 from app.engine.hf.graphs.shapes import ShapePolicy
@@ -99,15 +99,19 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
     tokenizer = HFChatTokenizer(
         hf_tokenizer, vocab_size=int(text_config(model).vocab_size), image_token_id=int(image_token_id)
     )
-    max_prompt_tokens = sized_prompt_limit(model, device, options.max_prompt_tokens)
     weights = unique_bytes(model)
     plan = None
-    if on_cuda:
-        rows = not options.flat_turn  # the flat turn keeps no static KV buffers (its graphs are by token count)
-        plan = plan_graphs(torch.cuda.mem_get_info(device)[0], token_kv_bytes(model),
-                           decoder_slots=ShapePolicy.decoder_slots if rows else 0,
-                           encoder_slots=ShapePolicy.encoder_slots if rows else 0,
-                           cache_bytes=options.prompt_cache_bytes, reserve=GRAPH_RESERVE_BYTES)
+    if options.flat_turn:  # the KV store decides the longest state (`FlatEngine.plan`)
+        max_prompt_tokens = options.max_prompt_tokens or (CUDA_PROMPT_TOKENS if on_cuda else CPU_PROMPT_TOKENS)
+        kv_bytes = options.prompt_cache_bytes or (store_bytes(torch.cuda.mem_get_info(device)[0]) if on_cuda else 0)
+    else:
+        max_prompt_tokens = sized_prompt_limit(model, device, options.max_prompt_tokens)
+        kv_bytes = options.prompt_cache_bytes
+        if on_cuda:
+            plan = plan_graphs(torch.cuda.mem_get_info(device)[0], token_kv_bytes(model),
+                               decoder_slots=ShapePolicy.decoder_slots, encoder_slots=ShapePolicy.encoder_slots,
+                               cache_bytes=options.prompt_cache_bytes, reserve=GRAPH_RESERVE_BYTES)
+            kv_bytes = plan.prompt_cache_bytes
     runner = DiffusionRunner(
         model,
         image_processor,
@@ -121,10 +125,16 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         canvas_step=options.canvas_step,
         max_images=options.max_images,
         prefill_chunk=options.prefill_chunk,
-        kv_bytes=plan.prompt_cache_bytes if plan is not None else options.prompt_cache_bytes,
+        kv_bytes=kv_bytes,
         turn_tokens=flat_turn_tokens(options.turn_tokens, on_cuda) if options.flat_turn else 0,
-        graph_slots=(plan.decoder_slots, plan.encoder_slots) if plan is not None and not options.flat_turn else None,
+        graph_slots=(plan.decoder_slots, plan.encoder_slots) if plan is not None else None,
     )
+    if runner.flat is not None:
+        from app.engine.hf.flat.engine import budget_problem
+
+        problem = budget_problem(runner.flat.budget, options.canvas_length, largest_image(image_processor))
+        if problem is not None:
+            raise ValueError(problem)
     if compiled and runner.flat is not None:  # the flat forward's layer bodies, compiled by their first runs
         import functools
 
@@ -142,22 +152,31 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
     graphs = runner.graphs is not None or runner.vision_graphs is not None
     graph_bytes = prepare_graphs(runner, report) if graphs else 0
+    faults: list[str] = []
     if runner.flat is not None:
         report("capturing the flat turn's graphs", 0, 1)
         flat_graphs = runner.flat.prepare_graphs()  # logs its line: buckets x pieces, memory, seconds
         if flat_graphs is not None:
             graph_bytes += flat_graphs.memory_bytes + flat_graphs.buffer_bytes
+            graphs_of = runner.flat.forward.graphs
+            faults += capture_faults(graphs_of.cache.failed if graphs_of is not None else {})
+    if runner.vision_graphs is not None and runner.vision_graphs.cache.failed:
+        faults.append(f"{len(runner.vision_graphs.cache.failed)} vision graph capture(s) failed "
+                      f"({next(iter(runner.vision_graphs.cache.failed.values()))}): images run eagerly (slower)")
     # torch.compile's stance stays "default": under "eager_on_recompile" the passes that run outside
     # the graphs (the counted fallbacks, the large encoder passes, the chunks of long prompts) ran
     # their pieces eagerly, 4x slower on the H200, while no recompile happened under "default" in
     # the same workloads (docs/benchmarks.md). A compile after ready is counted instead (HFReader).
-    degraded = None
     if on_cuda:
         split = memory_split(runner, weights, graph_bytes, options.max_prompt_tokens, plan.cuts if plan else ())
         log.info("%s", split.line())
-        degraded = split.forced()
-        if degraded is not None:
-            log.warning("%s (/health says degraded)", degraded)
+        if runner.flat is None:  # the row path still reports what its card cut as degraded
+            faults += [reason for reason in [split.forced()] if reason is not None]
+    # `/health` says degraded for a fault alone (a capture that failed): a limit the card sets (the KV
+    # store's size, the longest state) is the server's configuration, logged above and shown in /health.
+    degraded = "; ".join(faults) or None
+    if degraded is not None:
+        log.warning("%s (/health says degraded)", degraded)
     settle_heap()  # at start-up, so the count's walk of the heap costs nothing under load
     log.info("%d objects set aside from the garbage collector's full passes", gc.get_freeze_count())
     device_label = torch.cuda.get_device_name(device) if on_cuda else "cpu"
@@ -168,9 +187,25 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         tiny=options.tiny,
         canvas_length=options.canvas_length,
         checkpoint=checkpoint,
-        max_prompt_tokens=max_prompt_tokens,
+        max_prompt_tokens=runner.max_prompt_tokens,
     )
     return HFReader(runner, tokenizer, info, options, degraded=degraded)
+
+
+def capture_faults(failed: Mapping[int, str]) -> list[str]:
+    """`/health`'s words for the flat turn's captures that failed (`GraphCache.failed`: bucket -> why;
+    none: an empty list): the buckets, the first error, and what runs eagerly instead."""
+    if not failed:
+        return []
+    buckets = ", ".join(map(str, sorted(failed)))
+    return [f"the flat turn's CUDA graph capture failed at {len(failed)} token bucket(s) ({buckets}: "
+            f"{next(iter(failed.values()))}): turns of those sizes, and of every bucket left uncaptured after it, "
+            "run eagerly (slower)"]
+
+
+def largest_image(image_processor: Any) -> int:
+    """The most soft tokens one image takes (the processor's `max_soft_tokens`; 0 without images)."""
+    return int(getattr(image_processor, "max_soft_tokens", 0) or 0) if image_processor is not None else 0
 
 
 def memory_split(runner: DiffusionRunner, weights: int, graph_bytes: int, requested_prompt_tokens: int,
@@ -261,6 +296,20 @@ def sized_prompt_limit(model: DiffusionGemmaForBlockDiffusion, device: Any, requ
         log.warning("prompts up to %d tokens, not %d: the free GPU memory (%.1f GiB) cannot hold a longer one's "
                     "encoding (set MAX_PROMPT_TOKENS to choose)", limit, CUDA_PROMPT_TOKENS, free / 2**30)
     return limit
+
+
+# The flat turn's KV store on CUDA with PROMPT_CACHE_GB=0: the memory free after the weights less this,
+# which the turn's work takes beside it: the graphs by token count and their buffers (about 1 GiB at a
+# budget of 4096 on an H100), the vision tower's graphs, a multi-step read's self-conditioning logits
+# (a canvas of 128 tokens holds 64 MiB of them, every step), the slot reads' unembedding (0.5 GiB), the
+# compiled kernels' workspaces, and the allocator's fragmentation.
+FLAT_RESERVE_BYTES = 8 * 2**30
+MIN_STORE_BYTES = 2**30
+
+
+def store_bytes(free_bytes: int) -> int:
+    """The KV store's bytes on a card with `free_bytes` free after the weights (PROMPT_CACHE_GB=0)."""
+    return max(MIN_STORE_BYTES, free_bytes - FLAT_RESERVE_BYTES)
 
 
 # GPU memory the graph capture leaves free for requests (eager passes, the prompt LRUs, a long

@@ -970,6 +970,7 @@ class PromptEncodingMixin:
 
     def too_long(self, length: int) -> EngineInputError:
         return EngineInputError(
-            f"the prompt is {length} tokens; this server reads at most {self.max_prompt_tokens}",
+            f"the prompt is {length} tokens; this server reads at most {self.max_prompt_tokens} (MAX_PROMPT_TOKENS, "
+            "within what its KV store holds)",
             status=400, param="state", error_type="max_tokens_exceeded",
         )

@@ -43,6 +43,7 @@ from app.engine.base import (
     current_caller,
     describe,
 )
+from app.engine.hf.flat.scheduler import TurnFailed
 
 if TYPE_CHECKING:
     from app.engine.hf.flat.engine import TurnReport
@@ -172,6 +173,12 @@ def advance_read(program: Generator[None, None, Outcomes]) -> tuple[bool, Outcom
     return advance(program)
 
 
+def _image_tokens(images: Preprocessed) -> list[int]:
+    """The soft tokens of each image preprocessed for a job (a set that failed to decode has none)."""
+    return [count for processed in images.values() if not isinstance(processed, Exception)
+            for count in processed.counts]
+
+
 def _cache_keys(prompts: Sequence[Prompt]) -> list[CacheKey]:
     return [prompt.cache_key for prompt in prompts]
 
@@ -217,10 +224,11 @@ class _GenerateJob:
         self.state: Generation | None = None  # the runner's Generation, once its prompt is encoded
         self.flat: GenerateProgram | None = None  # its program on the flat turn (FLAT_TURN)
         self.cancelled = False
+        self.failed = False  # its caller was sent an exception: nothing more runs
 
     @property
     def dropped(self) -> bool:
-        return self.cancelled
+        return self.cancelled or self.failed
 
     @property
     def work(self) -> GenerateProgram:
@@ -247,6 +255,8 @@ class HFReader:
     past that, a job goes without and the engine thread decodes its images as it always could.
     """
 
+    # Levels, not counts (for /metrics): the flat turn's KV store, after each turn.
+    stat_gauges = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_allocated")
     image_workers = min(4, os.cpu_count() or 1)
     image_budget = 64
 
@@ -342,7 +352,18 @@ class HFReader:
         if not specs:
             return []
         self._admit()
+        flat = self.runner.flat
+        longest = max(len(spec.prompt.ids) for spec in specs)
+        if flat is not None and longest > flat.max_prompt_tokens:  # at once, not after a turn (images add tokens)
+            raise self.runner.too_long(longest)
         images = await self._preprocess([spec.prompt for spec in specs], reuse=True)
+        if flat is not None:
+            try:
+                flat.refuse_wider([len(canvas) for spec in specs for canvas in spec.canvases],
+                                              _image_tokens(images))
+            except EngineInputError:
+                self._release_images(images)
+                raise
         heavy = self._heavy(specs)
         long_tokens = 0 if heavy else sum(self.runner.long_encoding(prompt) for prompt in {spec.prompt for spec in specs})
         job = _ReadJob(list(specs), asyncio.get_running_loop().create_future(), images, heavy, long_tokens)
@@ -363,6 +384,7 @@ class HFReader:
             from app.engine.hf.flat.generate import GenerateProgram
 
             try:
+                self.runner.flat.refuse_wider([self.info.canvas_length], _image_tokens(job.images))
                 job.flat = GenerateProgram(self.runner, spec, self.info.canvas_length, job.images)
             except EngineInputError:
                 self._release(job)
@@ -452,8 +474,12 @@ class HFReader:
     def _release(self, job: _Job) -> Preprocessed:
         """Take the job's preprocessed images (once) and give their room back to the budget."""
         images, job.images = job.images, {}
-        self._images_held -= sum(len(digests) for digests in images)
+        self._release_images(images)
         return images
+
+    def _release_images(self, images: Preprocessed) -> None:
+        """Preprocessed images no job will hold: their room back to the budget."""
+        self._images_held -= sum(len(digests) for digests in images)
 
     # ------------------------------------------------------------------ the loop
 
@@ -496,9 +522,11 @@ class HFReader:
     async def _flat_loop(self) -> None:
         """Each turn, one forward over the queue's work (`FlatEngine.step`): every job's program asked in
         queue order for what it runs within the token budget, shared fairly among callers. After the
-        turn, the jobs that waited keep their place, the jobs that arrived meanwhile follow, and the
-        jobs that ran and are not done go behind them: a steady client's read rides the very turn a
-        heavy request's chunk runs in, or the next."""
+        turn, the jobs that waited keep their place, and so do light reads the turn's budget split
+        (their prompt's tail or their canvas left for the next turn: they finish first, not behind
+        every read that arrived since); the jobs that arrived meanwhile follow; heavy work that ran
+        (a long prompt's chunk, a multi-step read's step, a generation's pass) goes behind them: a
+        steady client's read rides the very turn a heavy request's chunk runs in, or the next."""
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
         dropped: list[ReadProgram | GenerateProgram] = []
@@ -525,8 +553,8 @@ class HFReader:
             ok, report = await self._engine_turn(loop, jobs, "flat", f"a flat turn of {len(jobs)} job(s)",
                                                  self._flat_step, jobs, released)
             arrived = list(self._queue)[snapshot:]
-            if not ok or report is None:
-                self._queue = deque(arrived)
+            if not ok or report is None:  # the jobs in the failed turn are answered; the others wait on
+                self._queue = deque([*(job for job in jobs if not job.dropped), *arrived])
                 continue
             ran = {id(entry) for entry in report.ran}  # (the jobs themselves)
             self._busy = len(jobs) > 1 or bool(arrived)
@@ -535,7 +563,8 @@ class HFReader:
             for job in jobs:
                 if self._flat_settle(job):
                     continue
-                (again if id(job) in ran else waiting).append(job)
+                multi_turn = isinstance(job, _GenerateJob) or job.heavy
+                (again if id(job) in ran and multi_turn else waiting).append(job)
             self._queue = deque([*waiting, *arrived, *again])
 
     def _flat_step(self, jobs: list[_Job], dropped: list[ReadProgram | GenerateProgram]) -> TurnReport:
@@ -751,13 +780,13 @@ class HFReader:
             for job in jobs:
                 self._fail(job, EngineUnavailable("the engine stopped"))
             raise
-        except EngineInputError as exc:
-            for job in jobs:
-                self._fail(job, exc)
-            return False, None
-        except Exception as exc:  # noqa: BLE001 - a model failure must reach every waiting request
-            failure = self._engine_failure(exc, work)
-            for job in jobs:
+        except Exception as exc:  # noqa: BLE001 - a model failure must reach every request it fails
+            failed: Sequence[object] = jobs
+            if isinstance(exc, TurnFailed):  # a flat turn fails the work in it alone, the rest stays queued
+                failed, exc = exc.entries, exc.cause
+            failure = exc if isinstance(exc, EngineInputError) else self._engine_failure(exc, work)
+            for job in failed:
+                assert isinstance(job, (_ReadJob, _GenerateJob))
                 self._fail(job, failure)
             return False, None
         seconds = time.perf_counter() - started
@@ -811,5 +840,6 @@ class HFReader:
         if isinstance(job, _ReadJob):
             if not job.future.done():
                 job.future.set_exception(exc)
-        elif not job.cancelled:
+        elif not job.dropped:
+            job.failed = True
             job.chunks.put_nowait(exc)

@@ -67,7 +67,7 @@ GENERATION_DEFAULTS: dict[str, float] = {
 }
 
 
-# The flat turn's KV store when PROMPT_CACHE_GB leaves it unbounded (0).
+# The flat turn's KV store on the CPU when PROMPT_CACHE_GB is 0 (its pools grow to it as they fill).
 FLAT_STORE_BYTES = 16 * 2**30
 
 # Slot positions unembedded at once: their fp32 logits are SLOT_CHUNK x vocab (256 MiB for the
@@ -171,6 +171,7 @@ class DiffusionRunner(PromptEncodingMixin, GenerationMixin):
 
             self.flat = FlatEngine(self, budget=turn_tokens, store_bytes=kv_bytes or FLAT_STORE_BYTES,
                                    graphs=cuda_graphs and device.type == "cuda")
+            self.max_prompt_tokens = self.flat.max_prompt_tokens  # what the store holds, at most what was asked
         if cuda_graphs and device.type == "cuda":
             self.use_graphs(capture=True)
 

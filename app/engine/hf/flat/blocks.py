@@ -208,6 +208,7 @@ class KVStore:
                        for layer, shape in enumerate(self.layers)]
         self._identities = ROOT  # the last chain identity given
         self._hit_tokens = self._evictions = self._store_full = self._pins_broken = 0
+        self._gave_way = False  # a read failed for room in the turn being built (`give_way`)
 
     # ------------------------------------------------------------------ tensors
 
@@ -329,7 +330,6 @@ class KVStore:
         victims = [pool.evictable(max(0, need - grow), now) for pool, need, grow in zip(self._pools, short, room)]
         for pool, need, grow, evictable in zip(self._pools, short, room, victims):
             if need > grow + len(evictable):
-                self._store_full += 1
                 kind = "sliding" if pool is self._sliding else "full"
                 raise StoreFull(f"no room for {blocks} KV blocks: the {kind} pool has {len(pool.free)} free, "
                                 f"{grow} more within its cap and {len(evictable)} evictable")
@@ -341,6 +341,21 @@ class KVStore:
                 self._pins_broken += pool.pinned_now(evicted, now)
                 pool.evict(evicted)
                 self._evictions += len(evicted)
+
+    def start_turn(self) -> None:
+        """A new turn is being built: no read has given way in it yet (`give_way`)."""
+        self._gave_way = False
+
+    def give_way(self) -> bool:
+        """A read found no room (StoreFull): True if it fails now, counted (the first such read of the
+        turn), False if it waits for the next turn, when the blocks of the one that failed are back.
+        Reads that all grow at once (long states chunked together) would otherwise all fail in the
+        turn the store fills; this way one a turn gives way and the others go on."""
+        if self._gave_way:
+            return False
+        self._gave_way = True
+        self._store_full += 1
+        return True
 
     def mark_written(self, seq: SequenceKV, upto: int) -> None:
         """The KV of positions [.., upto) is written. Each block now whole becomes shareable (unless an
@@ -435,6 +450,15 @@ class KVStore:
         """The running counts alone (what the engine copies into its counters every turn; `stats`
         also walks the pins): reads refused for room, blocks evicted, pins broken."""
         return {"store_full": self._store_full, "evictions": self._evictions, "pins_broken": self._pins_broken}
+
+    @property
+    def levels(self) -> dict[str, int]:
+        """The blocks used, cached and allocated now, both pools: what `stats` says of them, counted
+        without walking the pins (the engine copies them into its gauges every turn)."""
+        pools = self._pools
+        return {"blocks_used": sum(pool.blocks - len(pool.free) - len(pool.lru) for pool in pools),
+                "blocks_cached": sum(len(pool.lru) for pool in pools),
+                "blocks_allocated": sum(pool.blocks for pool in pools)}
 
     @property
     def stats(self) -> dict[str, int]:

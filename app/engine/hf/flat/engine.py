@@ -1,9 +1,11 @@
 """The flat turn's parts, held by the runner: the KV store, the attention backend, the forward, the turn;
 and `step`, one engine turn over the programs the reader queues.
 
-A step prepares the programs new to it (their prompts' ids and keys, their images through the vision
-tower together, their sequences opened in the store), composes the turn from the queue within the
-token budget (`scheduler.compose`), runs it as one forward, and gives each program its results.
+A step composes the turn from the queue within the token budget (`scheduler.compose`), preparing each
+program as the walk first reaches it (its prompts' ids and keys, its sequences opened in the store), so
+work queued behind a full turn holds nothing; then the images of the parts the turn takes go through
+the vision tower together, the turn runs as one forward, and each program gets its results. A turn that
+raises fails the programs in it alone (`TurnFailed`), every block they held released.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from typing import TYPE_CHECKING, Generator, Protocol, Sequence
 
 import torch
 
+from app.engine.base import EngineInputError
 from app.engine.hf.flat.attention import ReferenceAttention, SegmentAttention
 from app.engine.hf.flat.blocks import BLOCK_TOKENS, KVStore, LayerShape, block_bytes
 from app.engine.hf.flat.forward import FlatForward
 from app.engine.hf.flat.layout import Kind
 from app.engine.hf.flat.pieces import GraphReport, PiecewiseConfig
-from app.engine.hf.flat.prompts import PromptState, prepare
-from app.engine.hf.flat.scheduler import compose
+from app.engine.hf.flat.prompts import PromptState, embed_images, prepare
+from app.engine.hf.flat.scheduler import TurnFailed, compose
+from app.engine.hf.flat.sizing import plan_store
 from app.engine.hf.flat.turn import FlatTurn, Part
 from app.engine.hf.parts import encoder_layers, layer_types, text_config
 
@@ -35,26 +39,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("djev.engine")
 
-# The fewest tokens a turn may hold: a widest canvas and an image beside a prompt's chunk.
-MIN_TURN_TOKENS = 1024
 
-
-# The full-attention pool holds this many times the sliding pool's tokens. A prompt past the window
-# keeps a window of sliding blocks but every full one; with as many blocks in each pool, an H100's
-# 7.8 GiB store held about 38,000 tokens a pool, and one 26,000-token state took two thirds of the
-# full pool (its sliding layers, ten times the bytes a token, kept 1,024). Twice the tokens there
-# costs short prompts (which need both) 8 % of their room on the full size.
-FULL_TOKENS_PER_SLIDING = 2
-
-
-def sliding_share(shapes: Sequence[LayerShape], store_bytes: int, dtype: torch.dtype) -> int | None:
-    """The sliding pool's bytes of `store_bytes` (None: a model with one kind of layer, whose other
-    pool holds nothing)."""
-    sliding = block_bytes([shape for shape in shapes if shape.sliding], BLOCK_TOKENS, dtype)
-    full = block_bytes([shape for shape in shapes if not shape.sliding], BLOCK_TOKENS, dtype)
-    if not sliding or not full:
+def budget_problem(budget: int, canvas: int, image_tokens: int) -> str | None:
+    """Why a turn of `budget` tokens cannot serve these settings (None: it can): a widest canvas beside
+    the largest image (neither is ever split across turns) must fit one turn, or such a read would wait
+    for ever. Checked at start."""
+    if canvas + image_tokens <= budget:
         return None
-    return store_bytes * sliding // (sliding + FULL_TOKENS_PER_SLIDING * full)
+    return (f"TURN_TOKENS {budget} cannot hold a widest canvas (CANVAS {canvas}) beside the model's largest image "
+            f"({image_tokens} soft tokens): set TURN_TOKENS to at least {canvas + image_tokens}, or CANVAS lower")
 
 
 class Program(Protocol):
@@ -62,6 +55,11 @@ class Program(Protocol):
 
     preprocessed: Preprocessed | None
     turns: int
+
+    @property
+    def prepared(self) -> bool:
+        """Whether `adopt` has given it its prompts' states."""
+        ...
 
     def prompts(self) -> list[Prompt]: ...
 
@@ -114,20 +112,35 @@ class FlatEngine:
         window = int(text_config(model).sliding_window or 0) or runner.max_prompt_tokens + 1
         self.runner = runner
         self.budget = budget
-        self.store = KVStore(shapes, window, store_bytes, runner.device, model.dtype,
-                             preallocate=runner.device.type == "cuda",
-                             sliding_bytes=sliding_share(shapes, store_bytes, model.dtype))
+        self.plan = plan_store(store_bytes, block_bytes([shape for shape in shapes if not shape.sliding], BLOCK_TOKENS,
+                                                        model.dtype),
+                               block_bytes([shape for shape in shapes if shape.sliding], BLOCK_TOKENS, model.dtype),
+                               block_tokens=BLOCK_TOKENS, window=window, budget=budget,
+                               wanted_prompt_tokens=runner.max_prompt_tokens)
+        log.info("%s", self.plan.line())
+        self.max_prompt_tokens = self.plan.max_prompt_tokens  # the longest state the store holds
+        self.store = KVStore(shapes, window, self.plan.full_bytes + self.plan.sliding_bytes, runner.device,
+                             model.dtype, preallocate=runner.device.type == "cuda",
+                             sliding_bytes=self.plan.sliding_bytes)
         # CUDA: every segment of a layer in one Triton launch; elsewhere SDPA segment by segment.
         self.attention: ReferenceAttention | SegmentAttention = (
             SegmentAttention(self.store, window) if runner.device.type == "cuda" else ReferenceAttention(self.store, window))
         pieces = PiecewiseConfig.for_budget(budget, capture=True) if graphs else None
         self.forward = FlatForward(model, self.store, self.attention, graphs=pieces, stats=runner.stats)
         self.turn = FlatTurn(self.forward, self.store, runner.device)
-        self.prepared: set[int] = set()  # ids of the programs adopted
         # Generations stepped through the runner's own calls (`start_generation`), by their Generation,
         # and the chunk a turn gave before its caller asked for it.
         self.generations: dict[int, GenerateProgram] = {}
         self.waiting: dict[int, list[GenerateChunk]] = {}
+
+    def refuse_wider(self, canvases: Sequence[int], images: Sequence[int]) -> None:
+        """EngineInputError (400) for work whose smallest unit no turn holds: a canvas, or an image's soft
+        tokens, wider than the budget (settings checked at start leave none; a read built by hand may)."""
+        for widths, what in ((canvases, "a canvas"), (images, "an image")):
+            widest = max(widths, default=0)
+            if widest > self.budget:
+                raise EngineInputError(f"{what} of {widest} tokens is wider than one engine turn holds (TURN_TOKENS "
+                                       f"{self.budget})", status=400, param="questions" if widths is canvases else "images")
 
     def prepare_graphs(self) -> GraphReport | None:
         """Capture the forward's pieces for every token-count bucket, then freeze them: nothing is
@@ -136,34 +149,52 @@ class FlatEngine:
         return graphs.capture_all() if graphs is not None else None
 
     def step(self, queue: Sequence[Entry]) -> TurnReport:
-        """One engine turn over `queue` (in its fair order): the new programs prepared, the turn
-        composed within the budget and run as one forward, each program that ran given its results;
-        a program done is closed (its sequences released)."""
+        """One engine turn over `queue` (in its fair order): the turn composed within the budget, each
+        program prepared as the walk reaches it, the images of the parts taken through the vision tower
+        together, the turn run as one forward, each program that ran given its results; a program done
+        is closed (its sequences released). TurnFailed where any of that raises: the programs in the
+        turn (and one being prepared) are released and named in it; the others keep their state."""
         runner = self.runner
-        self._prepare([entry.work for entry in queue if id(entry.work) not in self.prepared])
         asked: dict[int, list[Part]] = {}
         canvases = 0
+        preparing: list[Entry] = []  # the entry being prepared or asked: a failure there is its own
 
         def ask(entry: Entry, room: int) -> int:
             nonlocal canvases
-            parts = entry.work.parts(self.store, room, runner.prefill_chunk, runner.max_rows - canvases)
-            asked.setdefault(id(entry.work), []).extend(parts)
+            work = entry.work
+            preparing[:] = [entry]
+            if not work.prepared:
+                self._prepare(work)
+            parts = work.parts(self.store, room, runner.prefill_chunk, runner.max_rows - canvases)
+            preparing.clear()
+            asked.setdefault(id(work), []).extend(parts)
             canvases += sum(1 for part in parts if part.kind is Kind.CANVAS)
             return sum(part.tokens for part in parts)
 
-        ran = compose([entry for entry in queue if not entry.work.done], self.budget, ask)
-        parts = [part for entry in ran for part in asked[id(entry.work)]]
+        ran: list[Entry] = []
         counts: Counter[Kind] = Counter()
-        for part in parts:
-            counts[part.kind] += part.tokens
-        if parts:
-            runner.step_note = (f"a flat turn of {len(parts)} part(s): {counts[Kind.PROMPT]} prompt and "
-                                f"{counts[Kind.CANVAS]} canvas token(s)")
-            self.turn.run(parts)
-            slots = [entry.work.slot_asks() for entry in ran]
-            reads = self._read_slots([wanted for wanted in slots if wanted is not None])
-            for entry, wanted in zip(ran, slots):
-                entry.work.take(reads.pop(0) if wanted is not None else ())
+        self.store.start_turn()
+        try:
+            ran = compose([entry for entry in queue if not entry.work.done], self.budget, ask)
+            parts = [part for entry in ran for part in asked[id(entry.work)]]
+            for part in parts:
+                counts[part.kind] += part.tokens
+            if parts:
+                runner.step_note = (f"a flat turn of {len(parts)} part(s): {counts[Kind.PROMPT]} prompt and "
+                                    f"{counts[Kind.CANVAS]} canvas token(s)")
+                embed_images(runner, parts)
+                self.turn.run(parts)
+                slots = [entry.work.slot_asks() for entry in ran]
+                reads = self._read_slots([wanted for wanted in slots if wanted is not None])
+                for entry, wanted in zip(ran, slots):
+                    entry.work.take(reads.pop(0) if wanted is not None else ())
+        except Exception as exc:
+            failed = [entry for entry in queue if asked.get(id(entry.work))] + preparing
+            for entry in failed:
+                self.release(entry.work)
+            self._store_counters()
+            raise TurnFailed(failed, exc) from exc
+        if ran:
             runner.stats["flat_turns"] += 1
             runner.stats["flat_prompt_tokens"] += counts[Kind.PROMPT]
             runner.stats["flat_canvas_tokens"] += counts[Kind.CANVAS]
@@ -190,6 +221,8 @@ class FlatEngine:
                         stats["blocks_allocated"], stats["blocks_pinned"])
         for name, total in totals.items():
             counters[f"flat_{name}"] = total
+        for name, level in self.store.levels.items():  # after the turn's releases (the served bench checks them)
+            counters[f"kv_{name}"] = level
 
     def _read_slots(self, asks: list[SlotAsk]) -> list[list[SlotRead]]:
         """Every program's slot reads of the turn through one `slot_reads_at`: the unembedding's
@@ -206,25 +239,13 @@ class FlatEngine:
         return split
 
     def release(self, program: Program) -> None:
-        """A program that ended or was dropped: its sequences released, its preparation forgotten."""
+        """A program that ended, was dropped or failed: its sequences released (closing twice is
+        harmless)."""
         program.close(self.store)
-        self.prepared.discard(id(program))
 
-    def _prepare(self, programs: list[Program]) -> None:
-        """The new programs' prompts, prepared together (their images share vision passes)."""
-        if not programs:
-            return
-        prompts = [prompt for program in programs for prompt in program.prompts()]
-        images: dict = {}
-        for program in programs:
-            images.update(program.preprocessed or {})
-        states = prepare(self.runner, self.store, prompts, images)
-        offset = 0
-        for program in programs:
-            count = len(program.prompts())
-            program.adopt(states[offset:offset + count])
-            offset += count
-            self.prepared.add(id(program))
+    def _prepare(self, program: Program) -> None:
+        """A program's prompts: ids, keys, sequences opened (their images wait for `embed_images`)."""
+        program.adopt(prepare(self.runner, self.store, program.prompts(), program.preprocessed))
 
     # ------------------------------------------------------------------ one program alone
 
@@ -235,7 +256,7 @@ class FlatEngine:
         entry = Solo(program)
         try:
             while True:
-                report = self.step([entry])
+                report = self._step_alone(entry)
                 if program.done:
                     return
                 if not report.ran:
@@ -245,12 +266,19 @@ class FlatEngine:
         finally:
             self.release(program)
 
+    def _step_alone(self, entry: Solo) -> TurnReport:
+        """`step` over one entry; a failed turn raises its cause (the entry is released)."""
+        try:
+            return self.step([entry])
+        except TurnFailed as failed:
+            raise failed.cause from None
+
     def start_generation(self, program: GenerateProgram) -> Generator[None, None, Generation]:
         """A generation's first turns, alone, until its prompt is written (its first block's pass may
         ride the last of them); then its `Generation`, which `step_generation` steps on."""
         while True:
             program.chunks = []
-            report = self.step([Solo(program)])
+            report = self._step_alone(Solo(program))
             if program.error is not None:
                 self.release(program)
                 raise program.error
@@ -273,7 +301,7 @@ class FlatEngine:
         if program is None or program.done:
             raise RuntimeError("this generation has finished")
         program.chunks = []
-        self.step([Solo(program)])
+        self._step_alone(Solo(program))
         if program.error is not None:
             raise program.error
         if program.done:

@@ -43,6 +43,10 @@ class GenerateProgram:
         self.error: Exception | None = None
         self.turns = 0
 
+    @property
+    def prepared(self) -> bool:
+        return self.state is not None
+
     def prompts(self) -> list:
         return [self.spec.prompt]
 

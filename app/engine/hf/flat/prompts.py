@@ -3,8 +3,10 @@ to its soft tokens), a key per token for the block hashes (an image's soft token
 their keys carry the image's digest), its image blocks, the embeddings of an image prompt given whole,
 and its sequence in the KV store; and how much of it fits a turn.
 
-`prepare` makes them for the prompts of the programs that join a turn, their new images through the
-vision tower together (the runner's `model_inputs` and image features, as the row path does).
+`prepare` makes them for a program's prompts as a turn first reaches it (the runner's `model_inputs`:
+each image placeholder expanded, its pixels on the device); `embed_images` then runs the vision tower
+once for every image the turn's parts take, together, and gives those parts their embeddings. An image
+whose prompt's KV the store already holds never goes through the tower.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class PromptState:
     ids: list[int] = field(default_factory=list)
     keys: list[Hashable] = field(default_factory=list)
     images: list[tuple[int, int]] = field(default_factory=list)  # soft-token runs, prompt positions
-    embeds: torch.Tensor | None = None  # [n, hidden] an image prompt's input embeddings
+    inputs: dict[str, torch.Tensor] | None = None  # an image prompt's model inputs, until `embed_images`
+    embeds: torch.Tensor | None = None  # [n, hidden] an image prompt's input embeddings (`embed_images`)
     sequence: SequenceKV | None = None
     planned: int = 0  # positions [0, planned) written or in the turn being built
     error: Exception | None = None
@@ -50,8 +53,8 @@ class PromptState:
     def chunk(self, store: KVStore, room: int, chunk: int) -> Part | None:
         """The next run of this prompt for the turn being built: at most `chunk` tokens and `room`, ending
         at an image's edge rather than inside it (a whole image may be all the part holds). None when
-        nothing fits, or the store has no room (then `error` says so: the reads of this prompt fail
-        alone, with a 503)."""
+        nothing fits, or the store has no room: then `error` says so where this read gives way (it
+        fails alone, with a 503), else it waits for the next turn (`KVStore.give_way`)."""
         assert self.sequence is not None
         start = self.planned
         end = min(self.length, start + min(room, chunk))
@@ -63,50 +66,52 @@ class PromptState:
         try:
             store.reserve(self.sequence, self.keys[self.sequence.reserved:end])
         except StoreFull as exc:
-            self.error = EngineUnavailable(f"the engine's KV store is full: {exc}; try again")
+            if store.give_way():  # the turn's first read without room fails; any other waits a turn
+                self.error = EngineUnavailable(f"the engine's KV store is full: {exc}; try again")
             return None
         self.planned = end
         images = tuple((max(first, start) - start, min(last, end) - start) for first, last in self.images
                        if first < end and last > start)
-        embeds = self.embeds[start:end] if self.embeds is not None and end <= self.embeds.shape[0] else None
-        return Part(Kind.PROMPT, self.sequence, start, self.ids[start:end], images=images, embeds=embeds)
+        # A part holding image tokens is embedded whole (`embed_images`); text is embedded from its ids.
+        return Part(Kind.PROMPT, self.sequence, start, self.ids[start:end], images=images,
+                    source=self if images else None)
 
 
     def extend(self, store: KVStore, ids: Sequence[int]) -> Part | None:
         """Text appended to a written prompt (a generation's finished block), as one part for the turn
-        being built; None, with `error` set, where the store has no room for it."""
+        being built; None where the store has no room for it (with `error` set where it fails, else
+        nothing appended: it waits a turn)."""
         self.ids.extend(ids)
         self.keys.extend(ids)
-        return self.chunk(store, len(ids), len(ids))
+        part = self.chunk(store, len(ids), len(ids))
+        if part is None and self.error is None:
+            del self.ids[len(self.ids) - len(ids):], self.keys[len(self.keys) - len(ids):]
+        return part
 
 
 def prepare(runner: Host, store: KVStore, prompts: Sequence[Prompt],
             preprocessed: Preprocessed | None) -> list[PromptState]:
     """The prompts' states, each with its sequence opened in `store` (its cached prefix shared); a
-    prompt that cannot be read gets its `error` (too long, an image that does not decode)."""
+    prompt that cannot be read gets its `error` (too long, an image that does not decode). No image
+    goes through the vision tower here (`embed_images`)."""
     states = [PromptState(prompt) for prompt in prompts]
-    images: list[tuple[PromptState, dict[str, torch.Tensor]]] = []
-    for state in states:
-        prompt = state.prompt
-        if not prompt.images:
-            if len(prompt.ids) > runner.max_prompt_tokens:
-                state.error = runner.too_long(len(prompt.ids))
-            state.ids = list(prompt.ids)
-            continue
-        try:
-            images.append((state, runner.model_inputs(prompt, reuse_vision=True, preprocessed=preprocessed)))
-        except EngineInputError as exc:
-            state.error = exc
-    if images:
-        runner.image_features([inputs for _, inputs in images], [state.prompt.cache_key[1] for state, _ in images])
-    for state, inputs in images:
-        state.ids = [int(token) for token in inputs["input_ids"][0].tolist()]
-        state.embeds = runner.input_embeds(inputs)
     image_token = runner.image_token_id
     for state in states:
-        if state.error is not None:
-            continue
-        state.keys, state.images = token_keys(state.ids, state.prompt.cache_key[1], image_token)
+        prompt = state.prompt
+        if prompt.images:
+            try:
+                state.inputs = runner.model_inputs(prompt, reuse_vision=True, preprocessed=preprocessed)
+                state.ids = [int(token) for token in state.inputs["input_ids"][0].tolist()]
+                state.keys, state.images = token_keys(state.ids, prompt.cache_key[1], image_token)
+            except EngineInputError as exc:
+                state.error = exc
+                continue
+        else:
+            state.ids = list(prompt.ids)
+            state.keys = list(prompt.ids)
+            if state.length > runner.max_prompt_tokens:
+                state.error = runner.too_long(state.length)
+                continue
         state.sequence = store.open(state.keys)
         state.planned = state.sequence.written
         # The row path's prompt-cache counters: a hit when every whole block came from the store (only
@@ -116,21 +121,44 @@ def prepare(runner: Host, store: KVStore, prompts: Sequence[Prompt],
     return states
 
 
+def embed_images(runner: Host, parts: Sequence[Part]) -> None:
+    """The embeddings of the parts of a turn that hold image tokens: the images of their prompts not yet
+    embedded go through the vision tower together (one pass per patch layout; features already in the
+    vision LRU skip it), then each part gets its rows of its prompt's embeddings."""
+    waiting = [part for part in parts if isinstance(part.source, PromptState) and part.embeds is None]
+    states = list({id(part.source): part.source for part in waiting if isinstance(part.source, PromptState)}.values())
+    new = [state for state in states if state.embeds is None]
+    if new:
+        runner.image_features([state.inputs for state in new if state.inputs is not None],
+                              [state.prompt.cache_key[1] for state in new if state.inputs is not None])
+        for state in new:
+            assert state.inputs is not None, "an image prompt keeps its inputs until it is embedded"
+            state.embeds = runner.input_embeds(state.inputs)
+            state.inputs = None  # its pixels: not needed again
+    for part in waiting:
+        source = part.source
+        assert isinstance(source, PromptState) and source.embeds is not None
+        part.embeds = source.embeds[part.position:part.position + part.tokens]
+
+
 def token_keys(ids: Sequence[int], digests: Sequence[str],
                image_token: int) -> tuple[list[Hashable], list[tuple[int, int]]]:
     """A hashable key per token and the runs of image soft tokens: a text token's key is its id; a soft
-    token's is its image's digest and its index in the image (every soft token has the same id)."""
+    token's is its image's digest and its index in the image (every soft token has the same id), so two
+    prompts share an image's blocks only where their images' bytes are the same. A run of soft tokens
+    without an image of its own (more runs than `digests`) is an EngineInputError, never a shared key."""
     keys: list[Hashable] = []
     runs: list[tuple[int, int]] = []
-    image = -1
     for position, token in enumerate(ids):
         if token != image_token:
             keys.append(token)
             continue
         if not runs or runs[-1][1] != position:
-            image += 1
+            if len(runs) == len(digests):
+                raise EngineInputError(f"the prompt holds more runs of image tokens than its {len(digests)} "
+                                       f"image(s)", status=422, param="images")
             runs.append((position, position))
         first = runs[-1][0]
         runs[-1] = (first, position + 1)
-        keys.append((digests[image] if image < len(digests) else "", position - first))
+        keys.append((digests[len(runs) - 1], position - first))
     return keys, runs

@@ -67,6 +67,10 @@ class ReadProgram:
         self.results: list[ReadResult | Exception | None] = [None] * len(self.specs)
         self.turns = 0
 
+    @property
+    def prepared(self) -> bool:
+        return self.states is not None
+
     def prompts(self) -> list:
         """The distinct prompts to prepare, in order of their first spec."""
         return list({spec.prompt.cache_key: spec.prompt for spec in self.specs}.values())

@@ -22,6 +22,16 @@ class Work(Protocol):
 W = TypeVar("W", bound=Work)
 
 
+class TurnFailed(Exception):
+    """A turn raised: `entries`, the work that took part in it (each already released by the engine),
+    fails with `cause`; the rest of the queue is untouched."""
+
+    def __init__(self, entries: Sequence[object], cause: Exception) -> None:
+        super().__init__(f"a flat turn failed: {cause!r}")
+        self.entries = list(entries)
+        self.cause = cause
+
+
 def compose(queue: Sequence[W], budget: int, ask: Callable[[W, int], int]) -> list[W]:
     """The work that takes part in a turn of `budget` tokens, in queue order. `ask(work, room)` adds
     what `work` runs within `room` tokens to the turn and says how many tokens that is (0: nothing

@@ -33,6 +33,7 @@ class Part:
     images: tuple[tuple[int, int], ...] = ()  # image blocks, offsets within the part
     logits: tuple[int, ...] = ()  # offsets whose hidden states come back
     embeds: torch.Tensor | None = None  # [tokens, hidden] given whole (an image prompt's chunk)
+    source: object = field(default=None, repr=False)  # the prompt whose image tokens it holds (a PromptState)
     conditioning: torch.Tensor | None = None  # [tokens, vocab] a canvas's self-conditioning logits
     hidden: torch.Tensor | None = field(default=None, repr=False)  # [len(logits), hidden], after the turn
 
@@ -64,6 +65,8 @@ class FlatTurn:
         ids = torch.tensor([token for part in parts for token in part.ids], dtype=torch.long, device=self.device)
         inputs = TurnInputs(ids)
         for item, part in zip(layout.placed, parts):
+            if part.images and part.embeds is None:
+                raise ValueError("a part holding image tokens is given its embeddings (`embed_images`) first")
             if part.embeds is not None:
                 inputs.embeds.append((item.start, part.embeds))
             if part.conditioning is not None:

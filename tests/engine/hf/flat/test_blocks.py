@@ -275,9 +275,7 @@ def test_referenced_blocks_are_never_evicted_and_a_reserve_that_cannot_fit_chang
     before = (store.stats, list(seq.full), list(seq.sliding), list(seq.keys))
     with pytest.raises(StoreFull):
         store.reserve(seq, keys_of(20, 12))  # 3 blocks
-    stats = store.stats
-    assert stats.pop("store_full") == before[0].pop("store_full") + 1
-    assert (stats, seq.full, seq.sliding, seq.keys) == before
+    assert (store.stats, seq.full, seq.sliding, seq.keys) == before  # (a refusal is counted by `give_way`)
     assert_reads(store, live, live_written, 0, 8)
     check = store.open(keys_of(10, 8))
     assert check.cached == 8  # nothing was evicted
@@ -439,9 +437,7 @@ def test_random_traffic_keeps_every_sequence_reading_its_own_kv():
                 store.reserve(seq, keys[seq.reserved:end])
             except StoreFull:
                 refused += 1
-                stats = store.stats
-                stats["store_full"] -= 1
-                assert (stats, seq.full, seq.sliding, seq.reserved) == before
+                assert (store.stats, seq.full, seq.sliding, seq.reserved) == before
                 continue
             full, sliding = store.slots(seq, seq.written, end)
             for layer, shape in enumerate(LAYERS):
@@ -465,16 +461,10 @@ def test_random_traffic_keeps_every_sequence_reading_its_own_kv():
     assert refused and stats["evictions"] and stats["hit_tokens"]  # the traffic did reach all three
 
 
-def test_the_engines_store_gives_the_full_pool_twice_the_sliding_pools_tokens():
-    from app.engine.hf.flat.engine import FULL_TOKENS_PER_SLIDING, sliding_share
-
-    # The full size's layers: 5 full (2 KV heads x 512), 25 sliding (8 x 256), bf16.
-    shapes = [LayerShape(False, 2, 512)] * 5 + [LayerShape(True, 8, 256)] * 25
-    budget = 8 << 30
-    store = KVStore(shapes, 1024, budget, "cpu", torch.bfloat16,
-                    sliding_bytes=sliding_share(shapes, budget, torch.bfloat16))
-    stats = store.stats
-    full, sliding = stats["full_limit"], stats["sliding_limit"]  # blocks each pool may hold
-    assert abs(full - FULL_TOKENS_PER_SLIDING * sliding) <= 2
-    assert full * stats["full_block_bytes"] + sliding * stats["sliding_block_bytes"] <= budget
-    assert sliding_share([LayerShape(False, 2, 64)], budget, torch.float32) is None  # one kind: one pool
+def test_one_read_a_turn_gives_way_for_room_and_the_others_wait():
+    store = make_store(4)
+    store.start_turn()
+    assert store.give_way() and not store.give_way() and not store.give_way()
+    assert store.stats["store_full"] == 1  # counted once: one read failed, two waited
+    store.start_turn()
+    assert store.give_way() and store.stats["store_full"] == 2

@@ -286,3 +286,23 @@ def test_compiled_layer_bodies_read_what_the_eager_ones_do(model):
     pieces, hidden, pools = run_both(model, (16, 32, 64), compile)  # sizes 11 to 86: one past the buckets
     assert hidden < PADDED_TOLERANCE and pools < PADDED_TOLERANCE
     assert pieces.stats["flat_graph_fallbacks"] == 1  # the 86-token turn: the compiled eager forward
+
+
+def test_a_failed_capture_makes_the_reader_degraded_naming_it():
+    from app.engine.hf.graphs.cache import GraphCache
+    from app.engine.hf.loader import capture_faults
+
+    def build(bucket):
+        if bucket == BUCKETS[-2]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return bucket
+
+    cache: GraphCache[int, int] = GraphCache("flat", build, Counter())
+    for bucket in reversed(BUCKETS):  # largest first, as `capture_all`: the failure freezes the rest
+        if not cache.frozen:
+            cache.build(bucket)
+    assert list(cache) == [BUCKETS[-1]] and list(cache.failed) == [BUCKETS[-2]]
+    (fault,) = capture_faults(cache.failed)
+    assert f"failed at 1 token bucket(s) ({BUCKETS[-2]}: RuntimeError: operation not permitted" in fault
+    assert "run eagerly" in fault
+    assert capture_faults({}) == []  # nothing failed: not degraded

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from app.engine.base import EngineError, EngineUnavailable, GenerateSpec, Prompt, current_caller, new_caller
+from app.engine.base import EngineError, EngineInputError, EngineUnavailable, GenerateSpec, Prompt, current_caller, new_caller
 from app.engine.hf.flat.layout import Kind
 from tests.conftest import make_tiny_reader
 from tests.engine.hf.test_reader import spec_for
@@ -142,24 +142,52 @@ def test_a_dropped_read_releases_its_blocks(tiny_dir, tokenizer):
 
 
 def test_a_read_the_store_cannot_hold_fails_alone_with_a_503(tiny_dir, tokenizer, caplog):
-    # About 400 KiB of KV (7 blocks a pool): a short prompt fits, the long state does not.
-    reader, _ = flat_reader(tiny_dir, prompt_cache_gb=400 * 1024 / 2**30, prefill_chunk=48)
-    long = spec_for(tokenizer, LONG_STATE, "q1: yes", [42])
-    short = spec_for(tokenizer, "short", "q1: yes", [5])
+    from app.engine.hf.flat.sizing import floor_blocks
+
+    # A store of a turn's floor plus one longest state (MAX_PROMPT_TOKENS 800): each long state fits it
+    # alone, four at once do not.
+    sizes = flat_reader(tiny_dir)[0].runner.flat.store.stats
+    floor = floor_blocks(BUDGET, 64, 16)  # the tiny model's window is 64 tokens
+    store = floor * (sizes["full_block_bytes"] + sizes["sliding_block_bytes"]) + 50 * sizes["full_block_bytes"]
+    reader, _ = flat_reader(tiny_dir, prompt_cache_gb=store / 2**30, prefill_chunk=48, max_prompt_tokens=800)
+    assert reader.runner.max_prompt_tokens == 800
+    longs = [spec_for(tokenizer, f"{n} {LONG_STATE}", "q1: yes", [42]) for n in range(4)]
+    assert all(len(spec.prompt.ids) * 4 > (floor + 50) * 16 for spec in longs)
 
     async def scenario():
         await reader.start()
         try:
-            return await asyncio.gather(reader.read([long]), reader.read([short]), return_exceptions=True)
+            return await asyncio.gather(*(reader.read([spec]) for spec in longs), return_exceptions=True)
         finally:
             await reader.stop()
 
-    failed, answered = asyncio.run(scenario())
-    assert isinstance(failed, EngineUnavailable) and "KV store is full" in str(failed)
-    assert not isinstance(answered, Exception) and len(answered[0].slots) == 1
+    outcomes = asyncio.run(scenario())
+    failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+    assert failed and all(isinstance(f, EngineUnavailable) and "KV store is full" in str(f) for f in failed)
+    assert len(failed) < len(longs)  # the others were answered
     assert reader.runner.flat.store.stats["store_full"] >= 1
     assert reader.runner.stats["flat_store_full"] == reader.runner.flat.store.stats["store_full"]  # /metrics
     assert any("KV store had no room" in record.getMessage() for record in caplog.records)
+    assert reader.runner.flat.store.stats["blocks_used"] == 0
+
+
+def test_a_state_past_what_the_store_holds_is_refused_at_once_with_both_numbers(tiny_dir, tokenizer):
+    reader, turns = flat_reader(tiny_dir, max_prompt_tokens=200)
+    long = spec_for(tokenizer, LONG_STATE, "q1: yes", [42])
+
+    async def scenario():
+        await reader.start()
+        try:
+            with pytest.raises(EngineInputError) as refused:
+                await reader.read([long])
+            return refused.value
+        finally:
+            await reader.stop()
+
+    refused = asyncio.run(scenario())
+    assert refused.status == 400 and refused.error_type == "max_tokens_exceeded"  # Jev's context error
+    assert f"is {len(long.prompt.ids)} tokens" in str(refused) and "at most 200" in str(refused)
+    assert not turns  # refused before it was queued
 
 
 def test_a_failed_turn_fails_its_jobs_and_the_next_turn_runs(tiny_dir, tokenizer):
