@@ -3,6 +3,13 @@ the code `djev serve` runs minus HTTP: parse_decision -> Decider -> HFReader's b
 DiffusionRunner, with the naive transformers baseline (bench/naive.py) measured first on the same
 model in the same process, and every engine figure printed beside its naive figure as a ratio.
 
+The reader is the one `djev serve` builds (`app.engine.hf.loader.hf_reader`: the experts fused, the
+layers compiled, the warm-ups, the graphs captured, the heap settled), made over the model only after
+the naive baseline has run on it, with this script's flags as Settings (--compile TORCH_COMPILE,
+--fused-moe FUSED_MOE, --eager CUDA_GRAPHS=0, --flat-turn/--no-flat-turn FLAT_TURN, --device). Right
+after ready it prints what the start-up built (`compile_counts`), and at the end the reader's
+after-ready counters, which must be 0 (a WARNING line names any that is not; both in the JSON).
+
 The tokenizer is the tiny model's (the real one needs the checkpoint); the full config's image ids are
 set to that tokenizer's, and prompts come out a little longer than Gemma's tokenizer would make them.
 HTTP adds a few ms a request on top (bench_cpu.py measures that layer).
@@ -38,12 +45,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
     CollectorPauses,
+    after_ready,
+    after_ready_lines,
+    compile_counts_line,
     device_sync,
     fmt,
     header,
     latency_summary,
     machine,
     markdown_table,
+    named_compile_counts,
     numbers,
     timed_call,
     write_json,
@@ -66,34 +77,60 @@ SIDE = {"type": "choice", "instructions": "There is an obstacle ahead. Where is 
 WALK_STATE = {"note": "one frame from a phone's back camera, pointed the way the person is walking"}
 
 
-def build_reader(args: argparse.Namespace) -> Any:
-    """The reader over random weights, built here (not by `hf_reader`) so that the naive baseline
-    runs on the model before the experts are fused or the layers compiled; the runner's graphs as
-    --eager says. Returns (reader, settings, model)."""
-    import torch
-
-    from app.build import hf_options, prompt_limit
-    from app.config import Settings
-    from app.engine.base import ReaderInfo
-    from app.engine.hf.loader import flat_turn_tokens
-    from app.engine.hf.reader import HFReader
-    from app.engine.hf.runner import DiffusionRunner
-    from app.engine.tokenizer import HFChatTokenizer
-
+def random_weights(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, image processor) over random weights, as the server would load them, with
+    the vision tower's attention kernel order --vision-attention asks. Nothing fused or compiled yet:
+    the naive baseline runs on this model first."""
     choose_vision_attention(args.vision_attention)
-    model, hf_tokenizer, processor = random_model(args.tiny, args.device)
-    settings = Settings.of(device=args.device, torch_compile=args.compile, fused_moe=args.fused_moe)
+    return random_model(args.tiny, args.device)
+
+
+def reader_settings(args: argparse.Namespace) -> Any:
+    """The Settings this script's flags make (no environment): the device, TORCH_COMPILE (--compile),
+    FUSED_MOE (--fused-moe), CUDA_GRAPHS (off with --eager), FLAT_TURN (--flat-turn / --no-flat-turn;
+    neither: the server's default); the rest are the server's defaults."""
+    from app.config import Settings
+
+    values: dict[str, Any] = {"device": args.device, "torch_compile": args.compile, "fused_moe": args.fused_moe,
+                              "cuda_graphs": not args.eager}
+    if args.flat_turn is not None:
+        values["flat_turn"] = args.flat_turn
+    return Settings.of(**values)
+
+
+def build_reader(args: argparse.Namespace, model: Any, hf_tokenizer: Any, processor: Any) -> tuple[Any, Any]:
+    """The reader `djev serve` builds over `model` (`hf_reader`: the experts fused, the layers compiled,
+    the warm-ups run, the graphs captured and the heap settled, as the settings ask), with
+    `reader_settings(args)`. Call it after the naive baseline: it changes the model. Returns (reader,
+    settings)."""
+    from app.build import hf_options
+    from app.engine.hf.loader import hf_reader
+
+    settings = reader_settings(args)
     options = hf_options(settings, served_name(args.tiny), tiny=args.tiny)
-    runner = DiffusionRunner(model, processor, device=torch.device(args.device), max_prompt_tokens=prompt_limit(settings),
-                             kv_entries=settings.hf.kv_cache_entries, max_rows=settings.hf.max_batch_rows,
-                             cuda_graphs=not args.eager,
-                             turn_tokens=flat_turn_tokens(0, args.device.startswith("cuda")) if args.flat_turn else 0)
-    config = model.config
-    tokenizer = HFChatTokenizer(hf_tokenizer, vocab_size=int(config.text_config.vocab_size),
-                                image_token_id=int(config.image_token_id))
-    info = ReaderInfo(model=options.served_name, engine="hf", device=args.device, tiny=args.tiny,
-                      canvas_length=settings.decisions.canvas)
-    return HFReader(runner, tokenizer, info, options), settings, model
+    return hf_reader(model, hf_tokenizer, processor, options), settings
+
+
+def experts_of(model: Any) -> tuple[str | None, bool]:
+    """The experts implementation the model runs, and whether it is djev's Triton kernels (FUSED_MOE)."""
+    experts = getattr(model.config, "_experts_implementation", None)
+    return experts, experts == "djev_fused"  # app.engine.hf.moe.fused.IMPLEMENTATION
+
+
+def ready_report(reader: Any, results: dict[str, Any]) -> None:
+    """Right after ready: what the start-up built (`compile_counts`), printed and in `results`."""
+    from app.engine.hf.reader import compile_counts
+
+    results["compile_counts_at_ready"] = named_compile_counts(compile_counts(reader.runner))
+    print(f"  {compile_counts_line(results['compile_counts_at_ready'], 'at ready')}", flush=True)
+
+
+def end_report(reader: Any, results: dict[str, Any]) -> None:
+    """At the end: the reader's after-ready counters (each must be 0), printed (a WARNING line names
+    any that is not) and in `results`."""
+    results["after_ready"] = after_ready(reader.stats)
+    for line in after_ready_lines(results["after_ready"], "at the end"):
+        print(f"  {line}", flush=True)
 
 
 async def timed_decisions(decider: Any, bodies: Sequence[dict], images: Sequence[Sequence[Any]] = ()) -> list[float]:
@@ -299,7 +336,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     from app.engine.hf.reader import settle_heap
 
     started = time.perf_counter()
-    reader, settings, model = build_reader(args)
+    model, hf_tokenizer, processor = random_weights(args)
     build_s = time.perf_counter() - started
     results: dict[str, Any] = {"parameters": sum(p.numel() for p in model.parameters()), "build_s": round(build_s, 1)}
     on_cuda = args.device.startswith("cuda")
@@ -315,24 +352,27 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 except Exception as exc:  # noqa: BLE001 - e.g. out of memory at 32k: reported, not fatal
                     print(f"  naive prompt {n}: failed: {exc!r}"[:300], flush=True)
                     torch.cuda.empty_cache()
-    if args.fused_moe:  # after the naive baseline too
-        from app.engine.hf.moe.fused import use_fused_experts
+    # After the naive baseline (the library's plain path): the reader `djev serve` builds, which fuses
+    # the experts, compiles the layers, warms up and captures its graphs on this model. The baseline's
+    # memory goes back to the device first: the reader sizes its KV store and graphs by the free memory.
+    if on_cuda:
+        import gc
 
-        reason = use_fused_experts(model)
-        print(f"  experts: {'djev Triton kernels' if reason is None else 'grouped_mm: ' + reason}", flush=True)
-        results["fused_moe"] = reason is None
-    if args.compile:  # after the naive baseline, which is the library's plain path
-        from app.engine.hf.compiled import compile_layers
-
-        compile_layers(model, text=not args.flat_turn)
-    flat = reader.runner.flat
-    if flat is not None and args.compile:  # its layer bodies, as the loader compiles them
-        import functools
-
-        flat.forward.compile(functools.partial(torch.compile, dynamic=None))
-    if flat is not None and on_cuda and not args.eager:  # the flat turn's graphs by token count, as at start-up
-        flat.prepare_graphs()
+        gc.collect()
+        torch.cuda.empty_cache()
+    print("building the reader as djev serve does (hf_reader) ...", flush=True)
+    started = time.perf_counter()
+    reader, settings = build_reader(args, model, hf_tokenizer, processor)
+    results["reader_s"] = round(time.perf_counter() - started, 1)
+    results["flat_turn"] = reader.runner.flat is not None
+    results["experts"], results["fused_moe"] = experts_of(model)
+    results["settings"] = {"flat_turn": settings.hf.flat_turn, "torch_compile": settings.hf.torch_compile,
+                           "fused_moe": settings.hf.fused_moe, "cuda_graphs": settings.hf.cuda_graphs}
+    print(f"  reader built in {results['reader_s']} s; experts: {results['experts'] or 'transformers default'}"
+          f"{' (djev Triton kernels)' if results['fused_moe'] else ''}; "
+          f"{'the flat turn' if results['flat_turn'] else 'the row path'}", flush=True)
     await reader.start()
+    ready_report(reader, results)
     decider = Decider(reader, build.read_settings(settings))
     rng = random.Random(0)
     try:
@@ -388,11 +428,17 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "encoder_held": len(encoder_graphs.cache),
             "encoder_memory_gib": round(encoder_graphs.memory_bytes / 2**30, 2),
             "vision_captured": getattr(runner.vision_graphs, "captures", None)}
+        flat_graphs = runner.flat.forward.graphs if runner.flat is not None else None
+        if flat_graphs is not None:  # the flat turn's graphs by token count
+            results["cuda_graphs"] = {"flat_captured": flat_graphs.captures, "flat_failed": len(flat_graphs.cache.failed),
+                                      "flat_held": len(flat_graphs.cache),
+                                      "vision_captured": getattr(runner.vision_graphs, "captures", None)}
         print(f"  cuda graphs: {results['cuda_graphs']}", flush=True)
         results["stats"] = dict(reader.stats)
         if on_cuda:
             results["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     finally:
+        end_report(reader, results)
         await reader.stop()
     return results
 
@@ -469,11 +515,15 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
                       fmt(p["canvases_per_pass"], 1), fmt(naive_rate, 1),
                       "-" if naive_rate != naive_rate else f"{p['req_per_s'] / naive_rate:.2f}x"])
     lines = [
-        f"{results['parameters'] / 1e9:.2f} B parameters, built in {results['build_s']} s; "
-        f"medians of {args.reps} after {args.warmup} warm-ups; {args.seconds:g} s per concurrency level; "
-        f"peak GPU memory {results.get('peak_memory_gib')} GiB; graphs: {results.get('cuda_graphs')}.",
+        f"{results['parameters'] / 1e9:.2f} B parameters, built in {results['build_s']} s, the reader (hf_reader) in "
+        f"{results.get('reader_s')} s; medians of {args.reps} after {args.warmup} warm-ups; {args.seconds:g} s per "
+        f"concurrency level; peak GPU memory {results.get('peak_memory_gib')} GiB; graphs: {results.get('cuda_graphs')}.",
         "",
     ]
+    if results.get("compile_counts_at_ready"):
+        lines += [compile_counts_line(results["compile_counts_at_ready"], "at ready"), ""]
+    if results.get("after_ready"):
+        lines += after_ready_lines(results["after_ready"], "at the end") + [""]
     if naive:
         lines += ["naive transformers, same model, same process (median ms; prompt 300, canvas 32, every row its own prompt):",
                   "", markdown_table(
@@ -568,8 +618,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eager-levels", type=numbers(int), default="32",
                         help="client counts of the threshold sweep (default 32)")
     parser.add_argument("--compile", action="store_true", help="compile the layer bodies (TORCH_COMPILE=1)")
-    parser.add_argument("--flat-turn", action="store_true",
-                        help="the hf engine's flat turn (FLAT_TURN=1): one forward a turn, its graphs by token count")
+    parser.add_argument("--flat-turn", action=argparse.BooleanOptionalAction, default=None,
+                        help="the hf engine's flat turn (FLAT_TURN=1): one forward a turn, its graphs by token count; "
+                             "--no-flat-turn the row path (FLAT_TURN=0); neither: the server's default")
     parser.add_argument("--fused-moe", action="store_true", help="the experts as djev's Triton kernels (FUSED_MOE=1)")
     parser.add_argument("--turnaround", action="store_true",
                         help="only the closed loop at --levels over an engine that answers at once: the decisions' "
@@ -614,7 +665,7 @@ async def turnaround(args: argparse.Namespace) -> dict[str, Any]:
     from app import build
     from app.decisions.run import Decider
 
-    reader, settings, _ = build_reader(args)
+    reader, settings = build_reader(args, *random_weights(args))
     reader.runner = InstantRunner(reader.runner)
     await reader.start()
     points = []
@@ -646,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     results = asyncio.run(measure(args))
     print()
     mode = ("eager decoder passes" if args.eager else "CUDA-graph decoder passes") + \
-        f", vision attention {args.vision_attention} first" + (", the flat turn" if args.flat_turn else "")
+        f", vision attention {args.vision_attention} first" + (", the flat turn" if results.get("flat_turn") else "")
     print(header(f"bench_gpu_decisions: whole decisions through Decider + HFReader ({mode})", info))
     print()
     print(report(results, args))

@@ -14,6 +14,12 @@ with other reads).
 The naive figure is transformers' plain full read (`bench/naive.py`) at the sizes up to
 `--naive-max` tokens.
 
+Both runs report what was built after ready, which must be nothing: right after ready the start-up's
+compile counts (in process `compile_counts`; served, the server's, through bench/server.py
+`compile_report`), and at the end the after-ready counters (the reader's `stats`; served, /metrics),
+printed, with a WARNING line naming any that is not 0, and in the JSON (`compile_counts_at_ready`,
+`after_ready`).
+
     python bench/bench_gpu_long.py                        # on CUDA
     python bench/bench_gpu_long.py --tiny --device cpu    # the CPU smoke test (sizes 300,1200,3000)
 
@@ -34,9 +40,30 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import header, latency_summary, machine, markdown_table, numbers, percentile, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    AFTER_READY,
+    after_ready,
+    after_ready_lines,
+    after_ready_metrics,
+    compile_counts_line,
+    header,
+    latency_summary,
+    machine,
+    markdown_table,
+    named_compile_counts,
+    numbers,
+    percentile,
+    write_json,
+)
 from bench.models import load_random  # noqa: E402
-from bench.server import RandomServe, spawn_random, wait_ready  # noqa: E402
+from bench.server import (  # noqa: E402
+    RandomServe,
+    compile_report,
+    compile_report_lines,
+    read_metrics,
+    spawn_random,
+    wait_ready,
+)
 from bench.workload import state_of, ticket_request  # noqa: E402
 
 QUESTION = {"q": {"type": "noul", "instructions": "Does the document ask for a refund?"}}
@@ -51,16 +78,20 @@ async def in_process(args: argparse.Namespace, settings: Any, states: list[str],
     import torch
 
     from app.decisions.request import parse_decision
+    from app.engine.hf.reader import compile_counts
     from app.web.services import Services
 
     started = time.perf_counter()
-    reader = load_random(args.tiny, args.device, settings)
+    reader = load_random(args.tiny, args.device, settings)  # hf_reader: warm-ups, graphs, the heap settled
     load_s = round(time.perf_counter() - started, 1)
     services = Services.build(settings, reader)
     await reader.start()
+    at_ready = named_compile_counts(compile_counts(reader.runner))
+    print(f"  {compile_counts_line(at_ready, 'in process at ready')}", flush=True)
     on_cuda = args.device.startswith("cuda")
     rows = []
-    counters = ("encoder_chunks", "captures", "recompiles", "triton_compiles_after_ready")
+    counters = ("encoder_chunks", *AFTER_READY)  # by size: the chunks, and anything built after ready
+    built: dict[str, float | None] = {}
     try:
         # A prime: one chunked read of another state first, so the first size's cold read is not also
         # the first chunked pass the process runs (its figure is reported on its own).
@@ -109,9 +140,12 @@ async def in_process(args: argparse.Namespace, settings: Any, states: list[str],
                                         warmup=1, reps=3)
                     naive[size] = got["full_read_eager"].get(1)
     finally:
+        built = after_ready(reader.stats)  # at the end (the naive reads go around the reader: they count nothing)
+        for line in after_ready_lines(built, "in process at the end"):
+            print(f"  {line}", flush=True)
         await reader.stop()
     return {"load_s": load_s, "prime_s": prime_s, "chunk_sweep": sweep, "rows": rows,
-            "naive_full_read_eager_ms": naive}
+            "naive_full_read_eager_ms": naive, "compile_counts_at_ready": at_ready, "after_ready": built}
 
 
 def served(args: argparse.Namespace, states: list[str], out_dir: Path) -> dict[str, Any]:
@@ -124,8 +158,13 @@ def served(args: argparse.Namespace, states: list[str], out_dir: Path) -> dict[s
                           out_dir / "bench_gpu_served.server.log")
     rows: list[dict[str, Any]] = []
     steady: dict[str, Any] = {}
+    built: dict[str, Any] = {}
+    ended: dict[str, float | None] = {}
     try:
         startup = wait_ready(server, args.startup_timeout)
+        built = compile_report(server.url, os.environ.get("API_KEY", ""))
+        for line in compile_report_lines(built, "served at ready"):
+            print(f"  {line}", flush=True)
         with httpx.Client(base_url=server.url, timeout=args.request_timeout) as client:
             for index, (size, state) in enumerate(zip(args.sizes, states)):
                 state = f"{state} (served)"  # not the in-process run's prompt: cold here too
@@ -151,9 +190,13 @@ def served(args: argparse.Namespace, states: list[str], out_dir: Path) -> dict[s
                 rows.append({"size": size, "cold_s": round(times[0], 3), "warm_s": round(times[1], 3),
                              "statuses": statuses})
                 print(f"  served {size}: {rows[-1]}", flush=True)
+        ended = after_ready_metrics(read_metrics(server.url))
+        for line in after_ready_lines(ended, "served at the end"):
+            print(f"  {line}", flush=True)
     finally:
         server.stop()
-    return {"startup": startup, "rows": rows, "steady_beside_largest_cold": steady}
+    return {"startup": startup, "rows": rows, "steady_beside_largest_cold": steady, "compile_counts_at_ready": built,
+            "after_ready": ended}
 
 
 def steady_client(url: str, stop: threading.Event, latencies: list[float]) -> None:
@@ -199,6 +242,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
     if startup:
         text += (f"\nserved start-up (a cold start: the compile caches empty): first answer "
                  f"{startup.get('first_answer_s')} s, ready {startup.get('ready_s')} s\n")
+    text += "\n" + "\n".join(after_ready_lines(results["in_process"]["after_ready"], "in process at the end")) + "\n"
+    if results.get("served", {}).get("after_ready"):
+        text += "\n".join(after_ready_lines(results["served"]["after_ready"], "served at the end")) + "\n"
     steady = results.get("served", {}).get("steady_beside_largest_cold")
     if steady:
         text += (f"\nsteady ticket client beside the largest cold read: {steady['requests']} answers, p50 "

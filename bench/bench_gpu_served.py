@@ -23,16 +23,22 @@ websockets in each; every state and frame unique, frames encoded before the cloc
   (f) a burst: a steady ticket client, alone for a fifth of the row, then beside --heavy-copies of
       every heavy kind sent at once (a long state, 255 options x 8 questions, 200 questions, a big think
       budget, steps 8 x samples 32; each copy sends again when answered until the row's seconds end).
-      A heavy request waits up to --heavy-timeout for its answer, and the row waits for the last one
-      (the steady client sending on), so the row lasts its seconds and the burst's tail. Reported: the
-      steady client's p50/p99/max alone and beside the heavy requests; per heavy kind, the requests
-      sent, answered, timed out at the client and refused (by status), their p50 and max; whether the
-      burst was answered in full. A heavy request the server refuses is recorded, not fatal; the
-      timeout is cut to fit --deadline (the report says so), so give the burst a run of its own
-      (--rows f) to let it wait the whole --heavy-timeout.
+      A heavy request waits up to --heavy-timeout (default 120 s, on the row path and the flat turn
+      alike: never cut by --deadline) for its answer, and the row waits for the last one (the steady
+      client sending on), so the row lasts its seconds and the burst's tail, and may end up to
+      --heavy-timeout past --deadline. Reported: the steady client's p50/p99/max alone and beside the
+      heavy requests; per heavy kind, the requests sent, answered, timed out at the client and refused
+      (by status), their p50 and max; whether the burst was answered in full. A heavy request the
+      server refuses is recorded, not fatal.
 Before and after each row /metrics is read and the deltas of the engine counters whose names hold
 capture, compile, fallback, recompile, graph or retries are reported, so a compile after ready (or the
-allocator freeing its cache to find memory) shows.
+allocator freeing its cache to find memory) shows. Right after ready the server's compile counts are
+printed (the reader's `compile_counts` through `GET /bench/compile-counts`, the graphs by kind from
+/metrics), and at the end its after-ready counters (djev_hf_*_after_ready; a WARNING line names
+any that is not 0). Each row ends by checking that the KV store's blocks in use
+(djev_hf_kv_blocks_used, the flat turn's) are back to their resting count, the value read before the
+row once the server was idle (cached and pinned blocks may stay): `blocks_used_before` and
+`blocks_used_after` in the row, a line when they are not (None on the row path, which keeps no blocks).
 
 Output: the markdown tables (printed, and $OUT/bench_gpu_served.md), $OUT/bench_gpu_served.json,
 $OUT/camera_curve.png (row e), and the server's log $OUT/bench_gpu_served.server.log.
@@ -61,7 +67,18 @@ from typing import Any, Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import fmt, header, latency_summary, machine, markdown_table, numbers, percentile, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    after_ready_lines,
+    after_ready_metrics,
+    fmt,
+    header,
+    latency_summary,
+    machine,
+    markdown_table,
+    numbers,
+    percentile,
+    write_json,
+)
 from bench.served_load import (  # noqa: E402
     FRESH_S,
     HEAVY_KINDS,
@@ -70,7 +87,16 @@ from bench.served_load import (  # noqa: E402
     shares,
     worker_main,
 )
-from bench.server import RandomServe, Server, spawn_random, wait_ready  # noqa: E402
+from bench.server import (  # noqa: E402
+    RandomServe,
+    Server,
+    compile_report,
+    compile_report_lines,
+    engine_of,
+    read_metrics,
+    spawn_random,
+    wait_ready,
+)
 
 COUNTER_WORDS = ("capture", "compile", "fallback", "recompile", "graph", "retries")
 # The engine's work in a row (its passes, their rows, the prompts encoded over a prefix, its busy time):
@@ -79,6 +105,8 @@ WORK_STATS = ("decoder_passes", "decoder_rows", "encoder_passes", "vision_passes
               "image_prefix_hits", "kv_hits", "kv_misses", "busy_ms",
               *(f"{kind}_turn_{unit}" for kind in ("read", "heavy", "generation") for unit in ("count", "ms")))
 ROW_OVERHEAD_S = 6.0  # frames, the end's grace, the scrapes: what a row costs beyond its seconds, for the deadline
+KV_GAUGE = "djev_hf_kv_blocks_used"  # the flat turn's KV store: blocks referenced by a read or generation
+KV_SETTLE_S = 5.0  # how long a row's end waits for the blocks in use to come back to their resting count
 now = time.monotonic
 
 
@@ -137,6 +165,79 @@ def drain_sessions(server: Server, api_key: str, timeout: float = 5.0) -> None:
         except (httpx.HTTPError, ValueError):
             return
         time.sleep(0.1)
+
+
+def kv_blocks_used(series: dict[str, float], flat_turn: bool) -> tuple[float | None, str]:
+    """The KV store's blocks in use in /metrics `series` (KV_GAUGE): (the count, "") or (None, why
+    there is none). Before the flat turn's first turn the gauge is not exported yet and the store holds
+    nothing: 0."""
+    if not series:
+        return None, "/metrics did not answer"
+    engine = engine_of(series)
+    if engine != "hf":
+        return None, f"the {engine} engine keeps no KV blocks gauge ({KV_GAUGE})"
+    if KV_GAUGE in series:
+        return series[KV_GAUGE], ""
+    if not flat_turn:
+        return None, f"the row path (FLAT_TURN=0) keeps no KV blocks: {KV_GAUGE} is not exported"
+    if not series.get("djev_hf_flat_turn_count_total"):
+        return 0.0, ""  # no flat turn has run: no block was ever taken
+    return None, f"{KV_GAUGE} is missing from /metrics though flat turns ran"
+
+
+class BlocksCheck:
+    """Each row ends with the KV store's blocks in use back at their resting count: `resting` reads
+    the count before a row once the server is idle (no decision in flight, nothing queued), `settled`
+    waits up to KV_SETTLE_S after it for the count to come back (cached and pinned blocks may stay:
+    they are not in use). Where there is no count (not hf, the row path, the gauge missing) it says
+    why once, in `notes`."""
+
+    def __init__(self, server: Server, flat_turn: bool, notes: list[str], settle_s: float = KV_SETTLE_S) -> None:
+        self.server = server
+        self.flat_turn = flat_turn
+        self.notes = notes
+        self.settle_s = settle_s
+        self.said: set[str] = set()
+
+    def _poll(self, back_to: float | None) -> tuple[float | None, str]:
+        """The blocks in use once the server is idle and (given `back_to`) they are back at or below
+        it, or as they are after `settle_s`; and "" or what was still running then."""
+        limit = now() + self.settle_s
+        while True:
+            series = read_metrics(self.server.url)
+            used, why = kv_blocks_used(series, self.flat_turn)
+            if used is None:
+                if why not in self.said:
+                    self.said.add(why)
+                    note = f"KV blocks not checked: {why}; blocks_used_before/after recorded as None"
+                    self.notes.append(note)
+                    print(f"    {note}", flush=True)
+                return None, ""
+            in_flight, queued = series.get("djev_in_flight", 0.0), series.get("djev_queue_depth", 0.0)
+            if not in_flight and not queued and (back_to is None or used <= back_to):
+                return used, ""
+            if now() >= limit:
+                return used, f"{in_flight:g} decision(s) still in flight, {queued:g} queued" if in_flight or queued \
+                    else "the server idle"
+            time.sleep(0.1)
+
+    def resting(self) -> float | None:
+        """The blocks in use before a row, once the server is idle (or after KV_SETTLE_S)."""
+        return self._poll(None)[0]
+
+    def settled(self, label: str, resting: float | None) -> dict[str, float | None]:
+        """After a row: the blocks in use once back at `resting` (or after KV_SETTLE_S), as the row's
+        `blocks_used_before` and `blocks_used_after`; a line (printed, and in `notes`) when not back."""
+        after, busy = self._poll(resting) if resting is not None else (None, "")
+        if after is None:
+            return {"blocks_used_before": None, "blocks_used_after": None}
+        assert resting is not None
+        if after > resting:
+            line = (f"KV BLOCKS NOT BACK after {label}: {after:g} blocks in use {self.settle_s:g} s after the row "
+                    f"({busy}), {resting:g} at rest before it ({KV_GAUGE})")
+            self.notes.append(line)
+            print(f"    {line}", flush=True)
+        return {"blocks_used_before": resting, "blocks_used_after": after}
 
 
 # ---------------------------------------------------------------------------------------- client processes
@@ -274,18 +375,12 @@ def heavy_assignment(kinds: Sequence[str], copies: int, workers: int) -> list[li
     return heavy
 
 
-def heavy_timeout_s(wanted: float, seconds: float, left_s: float) -> float:
-    """Row (f)'s client timeout for a heavy request: `wanted` (--heavy-timeout), cut so that a heavy
-    request sent at the end of the row's seconds is answered or given up before the deadline
-    (`left_s` away, less what the steps after the rows need), but not below the row's seconds (the
-    hard stop past the deadline still holds)."""
-    return min(wanted, max(seconds, left_s - seconds - ROW_OVERHEAD_S))
-
-
-def after_rows_s(args: argparse.Namespace) -> float:
-    """What the stage timing after the rows needs of the deadline: row (f)'s wait for its heavy answers
-    leaves it that."""
-    return len(STAGE_RUNS) * (args.twin_seconds + ROW_OVERHEAD_S) if args.stages else 0.0
+def heavy_wait_s(args: argparse.Namespace) -> float:
+    """How far past --deadline the run may go: row (f)'s heavy requests each wait up to --heavy-timeout
+    (never cut, so the row path and the flat turn are measured alike) and the row waits for the last
+    (plus the clients' grace); 0 where row (f) does not run."""
+    steady = any(row.kind == "steady" for row in plan(args))
+    return args.heavy_timeout + 3.0 + 5.0 if steady else 0.0  # the clients' grace past it, the cancelled ones' wait
 
 
 def worker_specs(row: Row, number: int, args: argparse.Namespace, url: str, api_key: str,
@@ -337,10 +432,9 @@ def burst_summary(heavy: dict[str, dict[str, Any]], kinds: Sequence[str]) -> dic
             "in_full": not not_sent and totals["sent"] > 0 and totals["answered"] == totals["sent"]}
 
 
-def burst_line(burst: dict[str, Any], timeout: float, wanted: float) -> str:
-    """The report's sentence on row (f)'s burst."""
-    cut = f", cut from {wanted:g} s by --deadline" if timeout < wanted else ""
-    said = (f"{burst['answered']} of {burst['sent']} heavy requests answered (client timeout {timeout:g} s{cut}); "
+def burst_line(burst: dict[str, Any], timeout: float) -> str:
+    """The report's sentence on row (f)'s burst (`timeout`: each heavy request's, --heavy-timeout)."""
+    said = (f"{burst['answered']} of {burst['sent']} heavy requests answered (client timeout {timeout:g} s); "
             f"{burst['timed_out']} timed out, {burst['refused']} refused, {burst['other']} failed otherwise")
     if burst["in_full"]:
         return f"the burst was answered in full: every heavy kind sent, {said}"
@@ -399,11 +493,13 @@ def set_knob(server: Server, api_key: str, path: str, body: dict[str, Any]) -> N
 
 
 def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, pool: ClientPool,
-            api_key: str, deadline: float) -> dict[str, Any]:
+            api_key: str, deadline: float, blocks: BlocksCheck | None = None) -> dict[str, Any]:
+    """One row: its served clients, then its in-process twin; with `blocks`, the KV store's blocks in
+    use read before it (idle) and checked back at that count after it."""
     out: dict[str, Any] = {"row": row.key, "name": row.name, "kind": row.kind, "clients": row.clients}
-    wait = 0.0  # row (f): how long a heavy request may wait for its answer
+    wait = 0.0  # row (f): how long a heavy request may wait for its answer (--heavy-timeout, never cut)
     if row.kind == "steady":
-        wait = heavy_timeout_s(args.heavy_timeout, args.seconds, deadline - now() - after_rows_s(args))
+        wait = args.heavy_timeout
         out["heavy_timeout_s"], out["heavy_copies"] = wait, args.heavy_copies
     if row.switch_ms is not None:
         set_knob(server, api_key, "/bench/switch-interval", {"ms": row.switch_ms})
@@ -414,6 +510,7 @@ def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, poo
     if row.headroom is not None:
         set_knob(server, api_key, "/bench/session-headroom", {"headroom": row.headroom})
         out["headroom"] = row.headroom
+    resting = blocks.resting() if blocks is not None else None
     before = scrape(server)
     tallies = pool.run(worker_specs(row, number, args, server.url, api_key, wait), args.seconds + wait + 60.0)
     after = scrape(server)
@@ -449,11 +546,14 @@ def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, poo
         out["twin_counters"] = deltas(before, scrape(server, COUNTER_WORDS))
         out["twin"] = camera_summary(tally, args.twin_seconds, clients) if row.kind == "camera_open" \
             else closed_summary(tally)
+    if blocks is not None:
+        out.update(blocks.settled(f"row ({row.key}) {row.name}, {row.clients} clients", resting))
     return out
 
 
 def measure(args: argparse.Namespace, server: Server, pool: ClientPool, results: dict[str, Any], deadline: float,
-            api_key: str) -> None:
+            api_key: str, flat_turn: bool = False) -> None:
+    blocks = BlocksCheck(server, flat_turn, results["notes"])
     for number, row in enumerate(plan(args)):
         label = f"({row.key}) {row.name}, {row.clients} {'cameras' if row.kind.startswith('camera') else 'clients'}"
         need = args.seconds + (args.twin_seconds if row.twin else 0.0) + ROW_OVERHEAD_S
@@ -463,7 +563,7 @@ def measure(args: argparse.Namespace, server: Server, pool: ClientPool, results:
             continue
         print(f"  {label} ...", flush=True)
         try:
-            point = run_row(row, number, args, server, pool, api_key, deadline)
+            point = run_row(row, number, args, server, pool, api_key, deadline, blocks)
         except Exception as exc:  # noqa: BLE001 - one failed row is recorded; the next rows still run
             results["notes"].append(f"{label} failed: {type(exc).__name__}: {str(exc)[:1500]}")
             print(f"  {label} failed: {type(exc).__name__}: {exc}", flush=True)
@@ -476,6 +576,18 @@ def measure(args: argparse.Namespace, server: Server, pool: ClientPool, results:
 
 
 def one_line(point: dict[str, Any]) -> str:
+    return row_line(point) + blocks_note(point)
+
+
+def blocks_note(point: dict[str, Any]) -> str:
+    """The row's KV blocks in use before and after it, for its printed line ("" where not checked)."""
+    before, after = point.get("blocks_used_before"), point.get("blocks_used_after")
+    if before is None or after is None:
+        return ""
+    return f"; KV blocks in use {before:g} -> {after:g}{'' if after <= before else ' (NOT BACK)'}"
+
+
+def row_line(point: dict[str, Any]) -> str:
     if point["kind"] == "steady":
         burst = point["burst"]
         return "; ".join(f"{name}: p50 {fmt(p['p50_ms'], 0)} ms, p99 {fmt(p['p99_ms'], 0)} ms, max {fmt(p['max_ms'], 0)} ms"
@@ -514,6 +626,11 @@ def report(results: dict[str, Any]) -> str:
         + ", ".join(f"{key} {value}" for key, value in settings.items()),
         "",
     ]
+    built = results.get("compile_counts_at_ready")
+    if built:
+        lines += compile_report_lines(built, "the server at ready") + [""]
+    if results.get("after_ready"):
+        lines += after_ready_lines(results["after_ready"], "the server at the end") + [""]
     restart = results.get("restart")
     if restart:
         lines += [f"restart over the first start's compile caches: the first /health answer {restart.get('first_answer_s')} "
@@ -570,12 +687,19 @@ def report(results: dict[str, Any]) -> str:
                   markdown_table(["steady client", "requests", "p50", "p99", "max", "errors / notes"], rows), "",
                   markdown_table(["heavy kind", "sent", "answered", "timed out", "refused (status)", "p50", "max",
                                   "errors / notes"], heavy), "",
-                  burst_line(p["burst"], p["heavy_timeout_s"], results["args"]["heavy_timeout"]), ""]
+                  burst_line(p["burst"], p["heavy_timeout_s"]), ""]
     counters = [[f"({p['row']}) {p['clients']}", counters_cell(p.get("counters")),
                  counters_cell(p.get("twin_counters")) if "twin" in p else "-"] for p in results["rows"]]
     if counters:
         lines += [f"engine counters that moved during each row (/metrics series naming {', '.join(COUNTER_WORDS)}):", "",
                   markdown_table(["row", "served", "in-process"], counters), ""]
+    blocks = [[f"({p['row']}) {p['clients']}{knob_note(p)}", f"{p['blocks_used_before']:g}", f"{p['blocks_used_after']:g}",
+               "yes" if p["blocks_used_after"] <= p["blocks_used_before"] else "NO"]
+              for p in results["rows"] if p.get("blocks_used_before") is not None and p.get("blocks_used_after") is not None]
+    if blocks:
+        lines += [f"the KV store's blocks in use ({KV_GAUGE}) before each row, the server idle, and after it, settled "
+                  f"(up to {KV_SETTLE_S:g} s):", "",
+                  markdown_table(["row", "before", "after", "back"], blocks), ""]
     work = [engine_row(p, results["args"]["seconds"]) for p in results["rows"] if p.get("engine")]
     if work:
         lines += ["the engine's work in each served row (/metrics deltas; rows a pass = decoder rows / passes):", "",
@@ -639,6 +763,10 @@ def camera_plot(results: dict[str, Any], path: Path) -> Path | None:
 
 # How long past --deadline a --restart may wait for the second start to be ready.
 RESTART_S = 170.0
+# Row (f): how long each heavy request may wait for its answer (--heavy-timeout), the server's
+# REQUEST_TIMEOUT by default. Never cut to fit --deadline: an A/B of the row path and the flat turn
+# waits alike (a cut made it 5 s on one path and 32 s on the other in one run).
+HEAVY_TIMEOUT_S = 120.0
 # The workloads whose engine stages are timed after the rows (in process: `POST /bench/stages`).
 STAGE_RUNS = (("walk", 16), ("ticket", 32))
 
@@ -717,9 +845,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                                                       "--tiny 64)")
     parser.add_argument("--heavy-copies", type=int, default=None, help="row (f): how many of each heavy kind are sent "
                         "at once beside the steady client (default 4; --tiny 1)")
-    parser.add_argument("--heavy-timeout", type=float, default=None, help="row (f): seconds a heavy request may wait "
-                        "for its answer; the row waits for every heavy answer up to it, cut to fit --deadline "
-                        "(default 300; --tiny 60)")
+    parser.add_argument("--heavy-timeout", type=float, default=HEAVY_TIMEOUT_S, help="row (f): seconds each heavy "
+                        "request may wait for its answer, on either path alike; the row waits for every heavy answer "
+                        f"up to it, past --deadline if need be (default {HEAVY_TIMEOUT_S:g})")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="TORCH_COMPILE (default: the server's)")
     parser.add_argument("--fused-moe", action=argparse.BooleanOptionalAction, default=None,
@@ -728,7 +856,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="CUDA_GRAPHS (default: the server's)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds from start after which no row starts and the run stops and writes what it has "
-                             "(default 520; --quick 228)")
+                             "(default 520; --quick 228); row (f)'s heavy requests may keep it up to --heavy-timeout "
+                             "longer, and the stage timing and --restart after it get that much more")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the server may take to be ready")
     parser.add_argument("--out-dir", default=os.environ.get("OUT") or ".", help="where the outputs go (default $OUT)")
     parser.add_argument("--replot", metavar="JSON", help="only redraw the camera curve of a stored run's JSON "
@@ -765,7 +894,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.heavy_tokens = args.heavy_tokens or (1500 if args.tiny else 26000)
     args.heavy_think = args.heavy_think or (64 if args.tiny else 4096)
     args.heavy_copies = args.heavy_copies if args.heavy_copies is not None else (1 if args.tiny else 4)
-    args.heavy_timeout = args.heavy_timeout if args.heavy_timeout is not None else (60.0 if args.tiny else 300.0)
     if args.heavy_copies < 1:
         parser.error("--heavy-copies must be at least 1")
     if args.heavy_timeout <= 0:
@@ -784,6 +912,14 @@ def write_outputs(results: dict[str, Any], out_dir: Path, info: dict[str, Any]) 
     plot = camera_plot(results, out_dir / "camera_curve.png")
     print(f"\nresults: {write_json(out_dir / 'bench_gpu_served.json', results)}"
           + (f"; plot: {plot}" if plot else ""), flush=True)
+
+
+def end_report(server: Server, results: dict[str, Any]) -> None:
+    """The server's after-ready counters at the end of the run (/metrics), printed with a WARNING line
+    naming any that is not 0."""
+    results["after_ready"] = after_ready_metrics(read_metrics(server.url))
+    for line in after_ready_lines(results["after_ready"], "the server at the end"):
+        print(f"  {line}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -805,8 +941,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {
         "machine": info, "model": "tiny config" if args.tiny else "DiffusionGemma 26B-A4B architecture, random bf16",
         "args": vars(args),
-        "settings": {"torch_compile": settings.hf.torch_compile, "fused_moe": settings.hf.fused_moe,
-                     "cuda_graphs": settings.hf.cuda_graphs,
+        "settings": {"flat_turn": settings.hf.flat_turn, "torch_compile": settings.hf.torch_compile,
+                     "fused_moe": settings.hf.fused_moe, "cuda_graphs": settings.hf.cuda_graphs,
                      "batch_gather_ms": settings.hf.batch_gather_ms,
                      "max_sessions": settings.limits.max_sessions, "max_inflight": settings.limits.max_inflight},
         "startup": {}, "rows": [], "notes": [],
@@ -817,8 +953,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGALRM, stop)
+    # After the rows: row (f)'s heavy requests may wait --heavy-timeout past the deadline; what follows
+    # them (the stage timing, a restart) keeps the room it had.
+    after_rows = deadline + heavy_wait_s(args)
     # the net behind the per-row checks: nothing blocks past it (a restart may wait RESTART_S more)
-    signal.alarm(int(args.deadline + 30 + (RESTART_S if args.restart else 0)))
+    signal.alarm(int(after_rows - began + 30 + (RESTART_S if args.restart else 0)))
     server: Server | None = None
     pool: ClientPool | None = None
     try:
@@ -827,15 +966,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool = ClientPool(args.workers)  # the client processes start while the model builds
         results["startup"] = wait_ready(server, min(args.startup_timeout, deadline - now()))
         print(f"  ready in {results['startup']['ready_s']} s", flush=True)
-        measure(args, server, pool, results, deadline, api_key)
+        results["compile_counts_at_ready"] = compile_report(server.url, api_key)
+        for line in compile_report_lines(results["compile_counts_at_ready"], "the server at ready"):
+            print(f"  {line}", flush=True)
+        measure(args, server, pool, results, deadline, api_key, settings.hf.flat_turn)
         if args.stages:
-            time_stages(args, server, results, deadline, api_key)
+            time_stages(args, server, results, after_rows, api_key)
+        end_report(server, results)
         if args.restart:
             server.stop()
             server = None
             print("restarting the server over the compile caches the first start left in CACHE_DIR ...", flush=True)
             server = spawn_random(served(args), out_dir / "bench_gpu_served.restart.log")
-            results["restart"] = wait_ready(server, min(args.startup_timeout, deadline + RESTART_S - now()))
+            results["restart"] = wait_ready(server, min(args.startup_timeout, after_rows + RESTART_S - now()))
             print(f"  ready again in {results['restart']['ready_s']} s", flush=True)
     except (Deadline, RuntimeError, OSError) as exc:
         results["stopped"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
@@ -847,6 +990,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["client_pids"] = pool.pids()
             pool.close()
         if server is not None:
+            if "after_ready" not in results and "restart" not in results and server.alive():
+                end_report(server, results)  # a run stopped early: the counters so far
             results["server_pid"] = server.process.pid
             server.stop()
         results["wall_s"] = round(now() - began, 1)

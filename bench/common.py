@@ -133,6 +133,56 @@ def fmt(value: float, digits: int = 1) -> str:
     return "-" if value != value else f"{value:.{digits}f}"
 
 
+# ---------------------------------------------------------------------------------------- built after ready
+
+# What the hf reader counts when a pass builds something after ready: a CUDA graph captured, a
+# torch.compile graph or a Triton kernel compiled (app/engine/hf/reader.py AFTER_READY, the reader's
+# `stats`; on /metrics `djev_hf_<name>_total`). A bench's run must leave every one at 0.
+AFTER_READY = ("captures_after_ready", "recompiles_after_ready", "triton_compiles_after_ready")
+# `app.engine.hf.reader.compile_counts`'s triple, by name.
+COMPILE_COUNTS = ("cuda_graphs_captured", "torch_compile_graphs", "triton_kernels_compiled")
+
+
+def named_compile_counts(counts: Sequence[int]) -> dict[str, int]:
+    """`compile_counts(runner)` (captures, torch.compile graphs, Triton kernels) by name, for JSON."""
+    return {name: int(count) for name, count in zip(COMPILE_COUNTS, counts)}
+
+
+def compile_counts_line(counts: dict[str, int], where: str) -> str:
+    """The line a bench prints right after ready: what the start-up built."""
+    return (f"{where}: {counts['cuda_graphs_captured']} CUDA graphs captured, {counts['torch_compile_graphs']} "
+            f"torch.compile graphs, {counts['triton_kernels_compiled']} Triton kernels compiled")
+
+
+def after_ready(stats: Any) -> dict[str, float | None]:
+    """The after-ready counters in a reader's `stats`, by name; None for one that is not there."""
+    return {name: (float(stats[name]) if name in stats else None) for name in AFTER_READY}
+
+
+def after_ready_metrics(series: Any) -> dict[str, float | None]:
+    """The after-ready counters in /metrics `series` (bench/server.py `read_metrics`), by their reader
+    names; None for one that is not there. Each is `djev_hf_<name>_total` as a counter, or
+    `djev_hf_<name>` as /metrics exports it today: a gauge, its name ending in `_ready`
+    (app/web/metrics.py GAUGE_SUFFIXES)."""
+    found: dict[str, float | None] = {}
+    for name in AFTER_READY:
+        keys = [key for key in (f"djev_hf_{name}_total", f"djev_hf_{name}") if key in series]
+        found[name] = float(series[keys[0]]) if keys else None
+    return found
+
+
+def after_ready_lines(counts: dict[str, float | None], where: str) -> list[str]:
+    """The lines a bench prints at its end: every after-ready counter, and a WARNING line naming each
+    that is not 0 (something was captured or compiled while serving: the start-up missed a shape)."""
+    said = ", ".join(f"{name} {'not reported' if value is None else f'{value:g}'}" for name, value in counts.items())
+    lines = [f"{where}, built after ready: {said} (each must be 0)"]
+    moved = [f"{name} = {value:g}" for name, value in counts.items() if value]
+    if moved:
+        lines.append(f"WARNING: {where}: built after ready: {', '.join(moved)}; every one must be 0 (a pass captured "
+                     "or compiled a shape the start-up did not)")
+    return lines
+
+
 # ---------------------------------------------------------------------------------------- timing
 
 def no_sync() -> None:

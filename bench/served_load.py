@@ -753,7 +753,9 @@ def bench_routes() -> list[Any]:
     its tally and the stages' times. `POST /bench/switch-interval` {ms}: the server process's switch
     interval from now on (`sys.setswitchinterval`). `POST /bench/gather-rows` {rows}: the hf reader's
     BATCH_GATHER_ROWS from now on (400 for a reader without it). `POST /bench/session-headroom`
-    {headroom}: the camera pacer's SESSION_HEADROOM from now on (its estimates kept)."""
+    {headroom}: the camera pacer's SESSION_HEADROOM from now on (its estimates kept). `GET
+    /bench/compile-counts`: the hf reader's `compile_counts` (captures, torch.compile graphs, Triton
+    kernels; /metrics carries only the captures) and its after-ready counters (400 without an hf runner)."""
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
@@ -791,6 +793,17 @@ def bench_routes() -> list[Any]:
         reader.options = dataclasses.replace(options, gather_rows=rows)
         return JSONResponse({"before": options.gather_rows, "rows": rows})
 
+    async def compile_counts(request: Request) -> JSONResponse:
+        from app.engine.hf.reader import compile_counts as counted
+        from bench.common import after_ready, named_compile_counts
+
+        reader = request.app.state.services.reader
+        reader = getattr(reader, "loaded", None) or reader  # the hf reader behind the start-up wrapper
+        runner = getattr(reader, "runner", None)
+        if runner is None:
+            return JSONResponse({"error": "the reader has no hf runner"}, status_code=400)
+        return JSONResponse({"counts": named_compile_counts(counted(runner)), "after_ready": after_ready(reader.stats)})
+
     async def session_headroom(request: Request) -> JSONResponse:
         import dataclasses
 
@@ -805,4 +818,5 @@ def bench_routes() -> list[Any]:
     return [Route("/bench/inprocess", inprocess, methods=["POST"]), Route("/bench/stages", stages, methods=["POST"]),
             Route("/bench/switch-interval", switch_interval, methods=["POST"]),
             Route("/bench/gather-rows", gather_rows, methods=["POST"]),
-            Route("/bench/session-headroom", session_headroom, methods=["POST"])]
+            Route("/bench/session-headroom", session_headroom, methods=["POST"]),
+            Route("/bench/compile-counts", compile_counts, methods=["GET"])]

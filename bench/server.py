@@ -133,6 +133,76 @@ def wait_ready(server: Server, timeout: float) -> dict[str, Any]:
         time.sleep(0.2)
 
 
+def read_metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """Every series of the server's /metrics as {series (the name with its labels): value}; {} when
+    it does not answer."""
+    import httpx
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=timeout).text
+    except httpx.HTTPError:
+        return {}
+    series: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            series[key] = float(value)
+        except ValueError:
+            pass
+    return series
+
+
+def engine_of(series: dict[str, float]) -> str | None:
+    """The engine `djev_info` names in /metrics `series` (None: not there)."""
+    import re
+
+    for key in series:
+        if key.split("{", 1)[0] == "djev_info":
+            found = re.search(r'engine="([^"]*)"', key)
+            return found.group(1) if found else None
+    return None
+
+
+def compile_report(url: str, api_key: str = "") -> dict[str, Any]:
+    """What the server's start-up built, read after ready: from /metrics the graphs captured by kind
+    (`djev_hf_<kind>_graphs_built_total`) and the after-ready counters (bench/common.py AFTER_READY);
+    from the bench server's `GET /bench/compile-counts` (bench/served_load.py `bench_routes`) the
+    reader's `compile_counts` (captures, torch.compile graphs, Triton kernels), which /metrics does
+    not carry. A server without that route gives `counts` None."""
+    import httpx
+
+    from bench.common import after_ready_metrics
+
+    series = read_metrics(url)
+    graphs = {key.removeprefix("djev_hf_").removesuffix("_graphs_built_total"): value for key, value in series.items()
+              if key.startswith("djev_hf_") and key.endswith("_graphs_built_total")}
+    counts = None
+    try:
+        response = httpx.get(url + "/bench/compile-counts", timeout=10.0,
+                             headers={"authorization": f"Bearer {api_key}"} if api_key else {})
+        if response.status_code == 200:
+            counts = response.json().get("counts")
+    except (httpx.HTTPError, ValueError):
+        pass
+    return {"engine": engine_of(series), "graphs_built": graphs, "counts": counts,
+            "after_ready": after_ready_metrics(series)}
+
+
+def compile_report_lines(report: dict[str, Any], where: str) -> list[str]:
+    """`compile_report` as the lines a bench prints right after ready."""
+    from bench.common import compile_counts_line
+
+    if report["engine"] is None:
+        return [f"{where}: /metrics did not answer: no compile counts"]
+    lines = [compile_counts_line(report["counts"], where) if report["counts"] is not None
+             else f"{where}: compile counts not reported (no /bench/compile-counts on this server)"]
+    built = ", ".join(f"{kind} {value:g}" for kind, value in sorted(report["graphs_built"].items()))
+    lines.append(f"{where}: graphs captured by kind (/metrics *_graphs_built_total): {built or 'none'}")
+    return lines
+
+
 # ---------------------------------------------------------------------------------------- the server process
 
 def watch_parent() -> None:

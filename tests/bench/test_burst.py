@@ -18,7 +18,7 @@ from bench.bench_gpu_served import (
     burst_summary,
     heavy_assignment,
     heavy_summary,
-    heavy_timeout_s,
+    heavy_wait_s,
     parse_args,
     plan,
     report,
@@ -59,11 +59,11 @@ def test_the_steady_rows_specs_carry_the_copies_and_the_heavy_timeout():
 # ---------------------------------------------------------------------------------------- how long they wait
 
 
-def test_the_heavy_flags_default_generous_on_the_gpu_and_short_with_tiny():
+def test_the_heavy_timeout_defaults_to_120_s_on_every_device():
     gpu = parse_args(["--device", "cuda"])
-    assert (gpu.heavy_copies, gpu.heavy_timeout) == (4, 300.0)
+    assert (gpu.heavy_copies, gpu.heavy_timeout) == (4, 120.0)
     tiny = parse_args(["--tiny", "--device", "cpu"])
-    assert (tiny.heavy_copies, tiny.heavy_timeout) == (1, 60.0)
+    assert (tiny.heavy_copies, tiny.heavy_timeout) == (1, 120.0)
     given = parse_args(["--tiny", "--device", "cpu", "--heavy-copies", "3", "--heavy-timeout", "12.5"])
     assert (given.heavy_copies, given.heavy_timeout) == (3, 12.5)
     for flags in (["--heavy-copies", "0"], ["--heavy-timeout", "0"], ["--heavy-timeout", "-1"]):
@@ -71,11 +71,16 @@ def test_the_heavy_flags_default_generous_on_the_gpu_and_short_with_tiny():
             parse_args(["--tiny", "--device", "cpu", *flags])
 
 
-def test_the_heavy_timeout_is_cut_to_fit_the_deadline_but_not_below_the_rows_seconds():
-    assert heavy_timeout_s(300.0, 10.0, 1000.0) == 300.0  # room enough
-    assert heavy_timeout_s(300.0, 10.0, 100.0) == 84.0  # 100 - 10 s of row - 6 s of overhead
-    assert heavy_timeout_s(300.0, 10.0, 12.0) == 10.0  # the deadline is close: the row's seconds
-    assert heavy_timeout_s(5.0, 10.0, 1000.0) == 5.0  # a short one asked for is kept
+def test_the_heavy_timeout_is_never_cut_by_the_deadline_the_run_waits_past_it_instead():
+    """An A/B of the row path and the flat turn waits alike: the run may go past --deadline by row
+    (f)'s wait (with the clients' grace), and only where row (f) runs."""
+    from bench import bench_gpu_served
+
+    args = parse_args(["--tiny", "--device", "cpu", "--deadline", "30", "--heavy-timeout", "120"])
+    assert heavy_wait_s(args) == 120.0 + 3.0 + 5.0
+    assert heavy_wait_s(parse_args(["--tiny", "--device", "cpu", "--no-steady"])) == 0.0
+    assert heavy_wait_s(parse_args(["--tiny", "--device", "cpu", "--rows", "a,b"])) == 0.0
+    assert not hasattr(bench_gpu_served, "heavy_timeout_s")  # nothing cuts it any more
 
 
 # ---------------------------------------------------------------------------------------- the clients
@@ -160,18 +165,18 @@ def test_the_burst_is_answered_in_full_only_when_every_kind_went_and_every_reque
     answered = {kind: heavy_summary(tally([1.0] * 4, {}, {"sent": 4})) for kind in HEAVY_KINDS}
     full = burst_summary(answered, HEAVY_KINDS)
     assert full["in_full"] and (full["sent"], full["answered"], full["kinds_not_sent"]) == (20, 20, [])
-    assert burst_line(full, 300.0, 300.0).startswith("the burst was answered in full: every heavy kind sent, 20 of 20")
+    assert burst_line(full, 120.0).startswith("the burst was answered in full: every heavy kind sent, 20 of 20")
 
     one_timed_out = {**answered, "think": heavy_summary(tally([1.0] * 3, {"timeout": 1}, {"sent": 4}))}
     short = burst_summary(one_timed_out, HEAVY_KINDS)
     assert not short["in_full"] and (short["answered"], short["timed_out"]) == (19, 1)
-    line = burst_line(short, 84.0, 300.0)
-    assert line.startswith("the burst was NOT answered in full: 19 of 20") and "cut from 300 s by --deadline" in line
+    line = burst_line(short, 120.0)
+    assert line.startswith("the burst was NOT answered in full: 19 of 20") and "(client timeout 120 s);" in line
 
     missing = {kind: summary for kind, summary in answered.items() if kind != "long state"}
     unsent = burst_summary(missing, HEAVY_KINDS)
     assert not unsent["in_full"] and unsent["kinds_not_sent"] == ["long state"]
-    assert burst_line(unsent, 300.0, 300.0).endswith("kinds never sent: long state")
+    assert burst_line(unsent, 120.0).endswith("kinds never sent: long state")
     assert not burst_summary({}, HEAVY_KINDS)["in_full"]
 
 
@@ -192,11 +197,3 @@ def test_the_report_shows_the_steady_phases_each_heavy_kind_and_the_burst_line()
     assert "the burst was NOT answered in full: 5 of 6 heavy requests answered (client timeout 300 s); " \
            "0 timed out, 1 refused, 0 failed otherwise" in text
     assert "31.0 s in all" in text
-
-
-def test_the_heavy_wait_leaves_the_stage_timing_its_time():
-    from bench.bench_gpu_served import STAGE_RUNS, after_rows_s
-
-    args = parse_args(["--tiny", "--device", "cpu", "--seconds", "2", "--twin-seconds", "3"])
-    assert after_rows_s(args) == len(STAGE_RUNS) * (3 + 6)
-    assert after_rows_s(parse_args(["--tiny", "--device", "cpu", "--no-stages"])) == 0.0

@@ -14,13 +14,23 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_bench(script: str, *args: str, out: Path) -> dict:
+def run_bench(script: str, *args: str, out: Path, env: dict[str, str] | None = None) -> dict:
     completed = subprocess.run(
         [sys.executable, str(REPO / "bench" / script), "--tiny", "--device", "cpu", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OUT": str(out)},
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OUT": str(out), **(env or {})},
     )
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
     return {"stdout": completed.stdout}
+
+
+NOTHING_AFTER_READY = {"captures_after_ready": 0.0, "recompiles_after_ready": 0.0, "triton_compiles_after_ready": 0.0}
+
+
+def said_nothing_built_after_ready(stdout: str) -> bool:
+    """The bench printed its after-ready counters, and no WARNING about them."""
+    lines = stdout.splitlines()
+    return any("built after ready: captures_after_ready 0, recompiles_after_ready 0, triton_compiles_after_ready 0"
+               in line for line in lines) and not any("WARNING" in line and "after ready" in line for line in lines)
 
 
 @pytest.mark.timeout(600)
@@ -33,10 +43,15 @@ def test_bench_gpu_tiny_runs(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_bench_gpu_decisions_tiny_runs(tmp_path):
-    result = run_bench("bench_gpu_decisions.py", "--seconds", "1", "--reps", "2", "--no-grids",
+    result = run_bench("bench_gpu_decisions.py", "--no-flat-turn", "--seconds", "1", "--reps", "2", "--no-grids",
                        "--out", str(tmp_path / "bench_gpu_decisions.json"), out=tmp_path)
     data = json.loads((tmp_path / "bench_gpu_decisions.json").read_text())
-    assert data and "|" in result["stdout"]
+    assert data and "|" in result["stdout"] and data["flat_turn"] is False
+    # The reader djev serve builds (hf_reader), what it built by ready, and nothing after.
+    assert set(data["compile_counts_at_ready"]) == {"cuda_graphs_captured", "torch_compile_graphs",
+                                                    "triton_kernels_compiled"}
+    assert "at ready: 0 CUDA graphs captured" in result["stdout"]
+    assert data["after_ready"] == NOTHING_AFTER_READY and said_nothing_built_after_ready(result["stdout"])
 
 
 @pytest.mark.timeout(600)
@@ -44,7 +59,9 @@ def test_bench_gpu_decisions_tiny_runs_on_the_flat_turn(tmp_path):
     result = run_bench("bench_gpu_decisions.py", "--flat-turn", "--seconds", "1", "--reps", "2", "--no-grids",
                        "--levels", "1", "--no-naive", "--out", str(tmp_path / "flat.json"), out=tmp_path)
     data = json.loads((tmp_path / "flat.json").read_text())
-    assert data["unique"]["p50_ms"] > 0 and "the flat turn" in result["stdout"]
+    assert data["unique"]["p50_ms"] > 0 and "the flat turn" in result["stdout"] and data["flat_turn"] is True
+    assert data["settings"]["flat_turn"] is True and data["compile_counts_at_ready"]["cuda_graphs_captured"] == 0
+    assert data["after_ready"] == NOTHING_AFTER_READY and said_nothing_built_after_ready(result["stdout"])
 
 
 @pytest.mark.timeout(300)
@@ -53,7 +70,8 @@ def test_bench_gpu_served_tiny_runs(tmp_path):
 
     result = run_bench("bench_gpu_served.py", "--seconds", "1", "--workers", "4", "--sheet-clients", "2",
                        "--ticket-clients", "2", "--walk-clients", "2", "--closed-cameras", "1", "--open-cameras", "1,2",
-                       "--heavy-tokens", "1000", "--deadline", "150", "--restart", out=tmp_path)
+                       "--heavy-tokens", "1000", "--heavy-timeout", "20", "--deadline", "150", "--restart", out=tmp_path,
+                       env={"FLAT_TURN": "0"})
     data = json.loads((tmp_path / "bench_gpu_served.json").read_text())
     assert [row["row"] for row in data["rows"]] == ["a", "b", "c", "d", "e", "e", "f"], data["notes"]
     assert data["startup"]["ready_s"] > 0 and data["restart"]["ready_s"] > 0
@@ -64,11 +82,32 @@ def test_bench_gpu_served_tiny_runs(tmp_path):
     assert (tmp_path / "bench_gpu_served.md").read_text().count("|") > 20
     assert "| (b) one sheet (the ticket) | 2 |" in result["stdout"]
     assert Image.open(tmp_path / "camera_curve.png").format == "PNG"
+    # What the server built by ready, nothing after; the row path keeps no KV blocks: None, said once.
+    assert data["compile_counts_at_ready"]["counts"]["cuda_graphs_captured"] == 0
+    assert "the server at ready: 0 CUDA graphs captured" in result["stdout"]
+    assert data["after_ready"] == NOTHING_AFTER_READY and said_nothing_built_after_ready(result["stdout"])
+    assert all(row["blocks_used_before"] is None and row["blocks_used_after"] is None for row in data["rows"])
+    assert sum("KV blocks not checked: the row path" in note for note in data["notes"]) == 1
+    assert data["rows"][-1]["heavy_timeout_s"] == 20.0  # --heavy-timeout as given, never cut by --deadline
     # Nothing left behind: the server's process group and the client processes are gone.
     with pytest.raises(ProcessLookupError):
         os.killpg(data["server_pid"], 0)
     for pid in data["client_pids"]:
         assert not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.timeout(300)
+def test_bench_gpu_served_on_the_flat_turn_gives_every_rows_kv_blocks_back(tmp_path):
+    result = run_bench("bench_gpu_served.py", "--seconds", "1", "--workers", "2", "--rows", "b,c,f",
+                       "--ticket-clients", "2", "--walk-clients", "2", "--heavy-tokens", "1000", "--heavy-timeout", "20",
+                       "--no-stages", "--deadline", "120", out=tmp_path, env={"FLAT_TURN": "1"})
+    data = json.loads((tmp_path / "bench_gpu_served.json").read_text())
+    assert data["settings"]["flat_turn"] is True and [row["row"] for row in data["rows"]] == ["b", "c", "f"], data["notes"]
+    for row in data["rows"]:  # read before each row, idle; back to it after
+        assert row["blocks_used_before"] is not None and row["blocks_used_after"] is not None, row["row"]
+        assert row["blocks_used_after"] <= row["blocks_used_before"], (row["row"], data["notes"])
+    assert "KV BLOCKS NOT BACK" not in result["stdout"] and "the KV store's blocks in use" in result["stdout"]
+    assert data["after_ready"] == NOTHING_AFTER_READY and said_nothing_built_after_ready(result["stdout"])
 
 
 @pytest.mark.timeout(300)
@@ -101,6 +140,13 @@ def test_bench_gpu_long_tiny_runs(tmp_path):
     assert all(row["warm_reads"] == 5 and row["warm_max_s"] >= row["warm_s"] for row in rows)
     assert all(row["statuses"] == [200, 200] for row in data["served"]["rows"])
     assert "|" in result["stdout"] and (tmp_path / "bench_gpu_long.md").exists()
+    # What the start-up built (the reader hf_reader made, and the server's), nothing after, in both runs.
+    assert set(data["in_process"]["compile_counts_at_ready"]) == {"cuda_graphs_captured", "torch_compile_graphs",
+                                                                  "triton_kernels_compiled"}
+    assert data["served"]["compile_counts_at_ready"]["counts"] is not None
+    assert data["in_process"]["after_ready"] == NOTHING_AFTER_READY == data["served"]["after_ready"]
+    assert all(row["captures_after_ready"] == 0 and row["recompiles_after_ready"] == 0 for row in rows)
+    assert "in process at the end, built after ready" in result["stdout"] and said_nothing_built_after_ready(result["stdout"])
 
 
 @pytest.mark.timeout(300)
