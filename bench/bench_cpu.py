@@ -400,6 +400,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "runs) or in threads of the bench process (the earlier harness)")
     parser.add_argument("--flat-turn", action="store_true",
                         help="the hf engine's flat turn (FLAT_TURN=1) in the server and in process")
+    parser.add_argument("--both-turns", action="store_true",
+                        help="the row path, then the flat turn, in this one run (one JSON, a table of both)")
     parser.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if not args.levels or min(args.levels) < 1:
@@ -407,34 +409,56 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def measure(args: argparse.Namespace, threads: int, checkpoint: Any, flat: bool) -> tuple[dict, list]:
+    """(a) and (b) against servers of one hf turn (`flat`: FLAT_TURN=1)."""
+    with ExitStack() as stack:
+        if args.server == "process":
+            url = stack.enter_context(server_process("djev", checkpoint, threads, flat))
+            floor_url = stack.enter_context(server_process("floor", checkpoint, threads))
+            server_reader: Any = RemoteStats(url)
+        else:
+            url, server_reader = stack.enter_context(tiny_server(checkpoint, flat_turn=flat))
+            floor_url = stack.enter_context(live_server(floor_app()))
+        single = asyncio.run(single_decision(url, server_reader, checkpoint, args.reads, args.warmup, floor_url, flat))
+        curve = concurrency_curve(url, server_reader, args.levels, args.seconds)
+    return single, curve
+
+
+def both_table(runs: dict[str, tuple[dict, list]]) -> str:
+    """The two turns' concurrency curves side by side: req/s, p50 and p95, and p95 over p50."""
+    rows = []
+    for name, (_, curve) in runs.items():
+        for row in curve:
+            rows.append([name, row["clients"], fmt(row["req_per_s"], 1), fmt(row["p50_ms"], 1), fmt(row["p95_ms"], 1),
+                         fmt(row["p95_ms"] / row["p50_ms"], 2) if row["p50_ms"] else "-", row["errors"]])
+    return markdown_table(["hf turn", "clients", "req/s", "p50 ms", "p95 ms", "p95 / p50", "errors"], rows)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     threads = set_torch_threads(args.torch_threads)
     info = machine()
     checkpoint = tiny_checkpoint()
-    with ExitStack() as stack:
-        if args.server == "process":
-            url = stack.enter_context(server_process("djev", checkpoint, threads, args.flat_turn))
-            floor_url = stack.enter_context(server_process("floor", checkpoint, threads))
-            server_reader: Any = RemoteStats(url)
-        else:
-            url, server_reader = stack.enter_context(tiny_server(checkpoint, flat_turn=args.flat_turn))
-            floor_url = stack.enter_context(live_server(floor_app()))
-        single = asyncio.run(single_decision(url, server_reader, checkpoint, args.reads, args.warmup, floor_url,
-                                             args.flat_turn))
-        curve = concurrency_curve(url, server_reader, args.levels, args.seconds)
+    turns = {"rows": False, "flat": True} if args.both_turns else {"flat" if args.flat_turn else "rows": args.flat_turn}
+    runs = {name: measure(args, threads, checkpoint, flat) for name, flat in turns.items()}
     print(header("bench_cpu: engine vs decision vs HTTP, and concurrency (tiny model)", info))
-    print(f"server: {'its own process (as `djev serve`)' if args.server == 'process' else 'a thread of this process'}"
-          f"; hf turn: {'flat (FLAT_TURN=1)' if args.flat_turn else 'rows'}")
-    print()
-    print(report(single, curve))
+    print(f"server: {'its own process (as `djev serve`)' if args.server == 'process' else 'a thread of this process'}")
+    for name, (single, curve) in runs.items():
+        print(f"\nhf turn: {name}\n")
+        print(report(single, curve))
+    if len(runs) > 1:
+        print("\nboth turns, in this run:\n")
+        print(both_table(runs))
     if args.json_out:
+        results: dict[str, Any] = {name: {"single": single, "curve": curve} for name, (single, curve) in runs.items()}
+        if len(runs) == 1:
+            (results,) = results.values()
         path = write_json(args.json_out, {"machine": info, "model": "tiny random-weight (app/engine/tiny.py)",
                                           "args": {"seconds": args.seconds, "levels": args.levels,
                                                    "reads": args.reads, "warmup": args.warmup,
-                                                   "server": args.server, "flat_turn": args.flat_turn,
+                                                   "server": args.server, "turns": list(turns),
                                                    "torch_threads": threads},
-                                          "single": single, "curve": curve})
+                                          **results})
         print(f"\nresults: {path}")
 
 
