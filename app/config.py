@@ -242,11 +242,10 @@ class HFSettings:
     prefill_chunk: int = field(default=2048, metadata=_meta(
         "PREFILL_CHUNK", "hf: prompt tokens encoded in one engine turn; a longer prompt is encoded in chunks, "
         "taking turns with other reads (docs/design.md §2.2)"))
-    flat_turn: bool = field(default=False, metadata=_meta(
+    flat_turn: bool = field(default=True, metadata=_meta(
         "FLAT_TURN", "hf: 1 runs each engine turn as one forward over a flat batch of every queued read's and "
         "generation's new tokens (prompt chunks and canvases together), the prompts' KV in shared blocks "
-        "(docs/design.md §4.10); on an 80 GB card it serves the walk 15x and starts sooner, but misses the "
-        "ticket's served rate (docs/benchmarks.md); 0 = the row path, the default"))
+        "(docs/design.md §4.10); 0 = the row path, kept only until it is deleted"))
     turn_tokens: int = field(default=0, metadata=_meta(
         "TURN_TOKENS", "hf, FLAT_TURN=1: the most new tokens (prompt chunks and canvases) one engine turn takes; "
         f"what does not fit waits for the next turn in its place (at least {MIN_TURN_TOKENS}, and at least CANVAS "
