@@ -102,11 +102,8 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
         cuda_graphs=settings.hf.cuda_graphs,
         torch_compile=settings.hf.torch_compile,
         fused_moe=settings.hf.fused_moe,
-        canvas_step=settings.decisions.canvas_step,
-        max_images=settings.limits.max_images,
         prefill_chunk=settings.hf.prefill_chunk,
         prompt_cache_bytes=round(settings.hf.prompt_cache_gb * 2**30),
-        flat_turn=settings.hf.flat_turn,
         turn_tokens=settings.hf.turn_tokens,
     )
 

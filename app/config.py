@@ -146,8 +146,8 @@ class LimitSettings:
         "MAX_TOTAL_IMAGE_BYTES", "bytes of all images of a request"))
     max_image_pixels: int = field(default=40_000_000, metadata=_meta("MAX_IMAGE_PIXELS", "pixels per image"))
     max_prompt_tokens: int = field(default=0, metadata=_meta(
-        "MAX_PROMPT_TOKENS", "prompt tokens per read; 0 = the engine's: 131072 on CUDA where the free memory allows "
-        "it (checked at start, lowered with a warning), else 32768"))
+        "MAX_PROMPT_TOKENS", "prompt tokens per read; 0 = the engine's (hf: 131072 on CUDA, 32768 on the CPU, "
+        "each within what the KV store holds: PROMPT_CACHE_GB, logged at start and shown in /health)"))
     max_inflight: int = field(default=256, metadata=_meta(
         "MAX_INFLIGHT", "decisions at once; more get 529 with Retry-After"))
     max_inflight_cost: int = field(default=16384, metadata=_meta(
@@ -212,42 +212,37 @@ MIN_TURN_TOKENS = 1024
 class HFSettings:
     """The hf engine (transformers in this process)."""
 
-    max_batch_rows: int = field(default=64, metadata=_meta("MAX_BATCH_ROWS", "canvases per decoder pass"))
+    max_batch_rows: int = field(default=64, metadata=_meta("MAX_BATCH_ROWS", "hf: canvases one engine turn reads"))
     batch_gather_ms: float = field(default=20.0, metadata=_meta(
-        "BATCH_GATHER_MS", "hf: most ms a read batch waits for more reads under load, ending once as many "
-        "canvases as the last batch had are queued; 0 = never (docs/reliability.md)"))
+        "BATCH_GATHER_MS", "hf: most ms a turn waits for more reads under load, ending once as many canvases as "
+        "the last turn read are queued; 0 = never (docs/reliability.md)"))
     batch_gather_rows: int = field(default=32, metadata=_meta(
-        "BATCH_GATHER_ROWS", "hf: the most canvases a read batch's gather waits for (0 = as many as the last batch "
-        "had); 32 keeps 64 closed-loop clients in two cohorts that take turns, one planned while the other runs, "
-        "more throughput at every client count in two H200 A/Bs (docs/benchmarks.md)"))
+        "BATCH_GATHER_ROWS", "hf: the most canvases a turn's gather waits for (0 = as many as the last turn read); "
+        "32 keeps 64 closed-loop clients in two cohorts that take turns, one planned while the other runs"))
     kv_cache_entries: int = field(default=64, metadata=_meta(
-        "KV_CACHE_ENTRIES", "encoded prompts kept for reuse (hf engine; the shared-prefix LRU keeps min(N, 16); "
-        "0 turns both off)"))
+        "KV_CACHE_ENTRIES", "hf: images' vision features kept for reuse (at most 16; 0 = none), so a frame's later "
+        "stage skips the vision tower"))
     prompt_cache_gb: float = field(default=0.0, metadata=_meta(
         "PROMPT_CACHE_GB", "hf: GiB of the KV store, which holds every prompt's keys and values in blocks shared "
         "by prompts that begin alike, and decides the longest state read (MAX_PROMPT_TOKENS within it, shown in "
-        "/health); 0 = sized at start: on CUDA the memory the weights leave less 8 GiB for a turn's work "
-        "(~23 GiB on an 80 GB card), 16 on the CPU, where it grows as it fills. FLAT_TURN=0: the encoded "
-        "prompts' LRU, 0 = bounded by KV_CACHE_ENTRIES only"))
+        "/health); 0 = sized at start: on CUDA the memory the weights leave less 16 GiB for a turn's work "
+        "(~16 GiB on an 80 GB card), 16 on the CPU, where it grows as it fills"))
     cuda_graphs: bool = field(default=True, metadata=_meta(
-        "CUDA_GRAPHS", "1 replays decoder passes as CUDA graphs (CUDA only; 0 = eager)"))
+        "CUDA_GRAPHS", "hf: 1 replays each turn's forward between its attentions, and the vision tower, as CUDA "
+        "graphs captured at start (CUDA only; 0 = eager)"))
     torch_compile: bool = field(default=True, metadata=_meta(
-        "TORCH_COMPILE", "hf: 1 compiles each layer's attention inputs and feed-forward half, and the vision "
-        "layers, with torch.compile under the CUDA graphs, at start (CUDA only; about 50 s; 0 = eager kernels)"))
+        "TORCH_COMPILE", "hf: 1 compiles the text layers' two bodies around their attention, and the vision "
+        "layers, with torch.compile under the CUDA graphs, at start (CUDA only; 0 = eager kernels)"))
     fused_moe: bool = field(default=True, metadata=_meta(
         "FUSED_MOE", "hf: 1 runs the experts as djev's two Triton kernels (CUDA only, needs Triton; "
         "0 = transformers' grouped_mm)"))
     torch_threads: int = field(default=0, metadata=_meta(
         "TORCH_THREADS", "CPU threads torch may use; 0 = torch's default"))
     prefill_chunk: int = field(default=2048, metadata=_meta(
-        "PREFILL_CHUNK", "hf: prompt tokens encoded in one engine turn; a longer prompt is encoded in chunks, "
-        "taking turns with other reads (docs/design.md §2.2)"))
-    flat_turn: bool = field(default=True, metadata=_meta(
-        "FLAT_TURN", "hf: 1 runs each engine turn as one forward over a flat batch of every queued read's and "
-        "generation's new tokens (prompt chunks and canvases together), the prompts' KV in shared blocks "
-        "(docs/design.md §4.10); 0 = the row path, kept only until it is deleted"))
+        "PREFILL_CHUNK", "hf: a prompt's tokens one engine turn writes at most; a longer prompt is written in "
+        "chunks, taking turns with other reads (docs/design.md §2.2)"))
     turn_tokens: int = field(default=0, metadata=_meta(
-        "TURN_TOKENS", "hf, FLAT_TURN=1: the most new tokens (prompt chunks and canvases) one engine turn takes; "
+        "TURN_TOKENS", "hf: the most new tokens (prompt chunks and canvases) one engine turn takes, in one forward; "
         f"what does not fit waits for the next turn in its place (at least {MIN_TURN_TOKENS}, and at least CANVAS "
         "beside the model's largest image, checked at start; 0 = 4096 on CUDA, 2048 on the "
         "CPU, where a turn of the tiny model costs ~0.3 ms a token: a steady client waits at most one turn)"))

@@ -17,15 +17,18 @@ Measured in ONE run, so the ratios compare numbers taken side by side on the sam
     and the floor app each run in their own process, as `djev serve` does and as a real client sees
     them; with --server thread they run in threads of this process, beside the client and the
     in-process reader (the harness of the earlier runs: one GIL for all of it). Two conditions: "repeat" sends the same decision
-    every time (its prompt KV is cached, so a read is one decoder pass) and "unique" gives every
-    request its own state (an encoder pass plus a decoder pass, like distinct tickets).
+    every time (its prompt's KV stays in the engine's KV store, so a read writes no prompt tokens: one
+    turn over its canvas) and "unique" gives every request its own state (its prompt written too, like
+    distinct tickets; the engine counts a turn that wrote prompt KV as an encoder pass, one that read
+    canvases as a decoder pass).
 
 (b) A concurrency curve: 1, 8, 32 closed-loop clients, each posting unique-state ticket decisions
     for --seconds per level. Reported: req/s, decisions/s (3 questions per request), p50/p95, and the
     engine's encoder and decoder passes per request from the server reader's counters: below 1 means
-    concurrent decisions shared passes (the batching loop in app/engine/hf/reader.py, the batched prefill in
-    app/engine/hf/runner.py). The clients run in a separate process so they do not share the
-    server's GIL (they do share the CPU cores; see --torch-threads).
+    concurrent decisions shared engine turns (the batching loop in app/engine/hf/reader.py, each turn one
+    forward over every queued read's new tokens: app/engine/hf/engine.py). The clients run in a
+    separate process so they do not share the server's GIL (they do share the CPU cores; see
+    --torch-threads).
 
 Usage: python bench/bench_cpu.py [--seconds 10] [--levels 1,8,32] [--reads 150] [--server process|thread]
                                  [--torch-threads N] [--json OUT]
@@ -147,27 +150,26 @@ class RemoteStats:
         return stats
 
 
-def _serve(which: str, checkpoint: Path, port: int, threads: int, flat: bool = False) -> None:
+def _serve(which: str, checkpoint: Path, port: int, threads: int) -> None:
     """A server process's body: the real app on its own tiny reader (`tiny_server`'s settings), or the
     floor app, served as `djev serve` serves (app.server.serve_app: the same uvicorn options)."""
     from app.server import create_app, serve_app
 
     set_torch_threads(threads)
-    config = Settings.of(host="127.0.0.1", port=port, pages=False, log_level="warning", flat_turn=flat)
+    config = Settings.of(host="127.0.0.1", port=port, pages=False, log_level="warning")
     app = create_app(config, tiny_reader(checkpoint, config)) if which == "djev" else floor_app()
     asyncio.run(serve_app(app, config))
 
 
 @contextmanager
-def server_process(which: str, checkpoint: Path, threads: int, flat: bool = False) -> Iterator[str]:
+def server_process(which: str, checkpoint: Path, threads: int) -> Iterator[str]:
     """`_serve` in a spawned process on a free port; yields its base URL once it answers."""
     import httpx
 
     from app.server import free_port
 
     port = free_port()
-    process = get_context("spawn").Process(target=_serve, args=(which, checkpoint, port, threads, flat),
-                                         daemon=True)
+    process = get_context("spawn").Process(target=_serve, args=(which, checkpoint, port, threads), daemon=True)
     process.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -204,14 +206,14 @@ def floor_app() -> Any:
 
 
 async def single_decision(url: str, server_reader: Any, checkpoint: Path, reads: int, warmup: int,
-                          floor_url: str, flat: bool = False) -> dict[str, Any]:
+                          floor_url: str) -> dict[str, Any]:
     """Engine read vs in-process decision vs HTTP (and the transport floor), interleaved, for both
     conditions."""
     import httpx
 
     from app.decisions.run import Decider
 
-    reader = tiny_reader(checkpoint, Settings.of(flat_turn=flat))  # in-process: its own reader in this event loop
+    reader = tiny_reader(checkpoint)  # in-process: its own reader in this event loop
     await reader.start()
     try:
         async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S) as client, \
@@ -398,10 +400,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--server", choices=("process", "thread"), default="process",
                         help="the djev server and the floor app in their own processes (default; as `djev serve` "
                              "runs) or in threads of the bench process (the earlier harness)")
-    parser.add_argument("--flat-turn", action="store_true",
-                        help="the hf engine's flat turn (FLAT_TURN=1) in the server and in process")
-    parser.add_argument("--both-turns", action="store_true",
-                        help="the row path, then the flat turn, in this one run (one JSON, a table of both)")
     parser.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if not args.levels or min(args.levels) < 1:
@@ -409,56 +407,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def measure(args: argparse.Namespace, threads: int, checkpoint: Any, flat: bool) -> tuple[dict, list]:
-    """(a) and (b) against servers of one hf turn (`flat`: FLAT_TURN=1)."""
-    with ExitStack() as stack:
-        if args.server == "process":
-            url = stack.enter_context(server_process("djev", checkpoint, threads, flat))
-            floor_url = stack.enter_context(server_process("floor", checkpoint, threads))
-            server_reader: Any = RemoteStats(url)
-        else:
-            url, server_reader = stack.enter_context(tiny_server(checkpoint, flat_turn=flat))
-            floor_url = stack.enter_context(live_server(floor_app()))
-        single = asyncio.run(single_decision(url, server_reader, checkpoint, args.reads, args.warmup, floor_url, flat))
-        curve = concurrency_curve(url, server_reader, args.levels, args.seconds)
-    return single, curve
-
-
-def both_table(runs: dict[str, tuple[dict, list]]) -> str:
-    """The two turns' concurrency curves side by side: req/s, p50 and p95, and p95 over p50."""
-    rows = []
-    for name, (_, curve) in runs.items():
-        for row in curve:
-            rows.append([name, row["clients"], fmt(row["req_per_s"], 1), fmt(row["p50_ms"], 1), fmt(row["p95_ms"], 1),
-                         fmt(row["p95_ms"] / row["p50_ms"], 2) if row["p50_ms"] else "-", row["errors"]])
-    return markdown_table(["hf turn", "clients", "req/s", "p50 ms", "p95 ms", "p95 / p50", "errors"], rows)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     threads = set_torch_threads(args.torch_threads)
     info = machine()
     checkpoint = tiny_checkpoint()
-    turns = {"rows": False, "flat": True} if args.both_turns else {"flat" if args.flat_turn else "rows": args.flat_turn}
-    runs = {name: measure(args, threads, checkpoint, flat) for name, flat in turns.items()}
+    with ExitStack() as stack:
+        if args.server == "process":
+            url = stack.enter_context(server_process("djev", checkpoint, threads))
+            floor_url = stack.enter_context(server_process("floor", checkpoint, threads))
+            server_reader: Any = RemoteStats(url)
+        else:
+            url, server_reader = stack.enter_context(tiny_server(checkpoint))
+            floor_url = stack.enter_context(live_server(floor_app()))
+        single = asyncio.run(single_decision(url, server_reader, checkpoint, args.reads, args.warmup, floor_url))
+        curve = concurrency_curve(url, server_reader, args.levels, args.seconds)
     print(header("bench_cpu: engine vs decision vs HTTP, and concurrency (tiny model)", info))
     print(f"server: {'its own process (as `djev serve`)' if args.server == 'process' else 'a thread of this process'}")
-    for name, (single, curve) in runs.items():
-        print(f"\nhf turn: {name}\n")
-        print(report(single, curve))
-    if len(runs) > 1:
-        print("\nboth turns, in this run:\n")
-        print(both_table(runs))
+    print()
+    print(report(single, curve))
     if args.json_out:
-        results: dict[str, Any] = {name: {"single": single, "curve": curve} for name, (single, curve) in runs.items()}
-        if len(runs) == 1:
-            (results,) = results.values()
         path = write_json(args.json_out, {"machine": info, "model": "tiny random-weight (app/engine/tiny.py)",
                                           "args": {"seconds": args.seconds, "levels": args.levels,
                                                    "reads": args.reads, "warmup": args.warmup,
-                                                   "server": args.server, "turns": list(turns),
-                                                   "torch_threads": threads},
-                                          **results})
+                                                   "server": args.server, "torch_threads": threads},
+                                          "single": single, "curve": curve})
         print(f"\nresults: {path}")
 
 

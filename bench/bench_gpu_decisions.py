@@ -6,7 +6,7 @@ model in the same process, and every engine figure printed beside its naive figu
 The reader is the one `djev serve` builds (`app.engine.hf.loader.hf_reader`: the experts fused, the
 layers compiled, the warm-ups, the graphs captured, the heap settled), made over the model only after
 the naive baseline has run on it, with this script's flags as Settings (--compile TORCH_COMPILE,
---fused-moe FUSED_MOE, --eager CUDA_GRAPHS=0, --flat-turn/--no-flat-turn FLAT_TURN, --device). Right
+--fused-moe FUSED_MOE, --eager CUDA_GRAPHS=0, --device). Right
 after ready it prints what the start-up built (`compile_counts`), and at the end the reader's
 after-ready counters, which must be 0 (a WARNING line names any that is not; both in the JSON).
 
@@ -18,7 +18,7 @@ Cases:
   (A) one decision, the README's ticket (noul, 3-way choice, 3-level score), samples 1: a new state
       every time (prompt encoded) and the same state every time (prompt KV cached);
   (B) closed-loop clients (--levels, default 1, 8, 16, 32, 64), each deciding unique-state tickets
-      back to back for --seconds: req/s, p50, p95, canvases per decoder pass;
+      back to back for --seconds: req/s, p50, p95, canvases per engine turn, and the turns' timeline;
   (C) the walk page's frame (512x384 JPEG, ahead question): clear (one image read), blocked (two);
   (D) think: the ticket with `think` 16 and 64 (random weights never stop a block early: every block
       takes all its denoise passes), with the passes taken and the cost of one pass;
@@ -48,7 +48,6 @@ from bench.common import (  # noqa: E402
     after_ready,
     after_ready_lines,
     compile_counts_line,
-    device_sync,
     fmt,
     header,
     latency_summary,
@@ -56,7 +55,6 @@ from bench.common import (  # noqa: E402
     markdown_table,
     named_compile_counts,
     numbers,
-    timed_call,
     write_json,
 )
 from bench.models import VISION_KERNELS, choose_vision_attention, random_model, served_name  # noqa: E402
@@ -87,15 +85,11 @@ def random_weights(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 def reader_settings(args: argparse.Namespace) -> Any:
     """The Settings this script's flags make (no environment): the device, TORCH_COMPILE (--compile),
-    FUSED_MOE (--fused-moe), CUDA_GRAPHS (off with --eager), FLAT_TURN (--flat-turn / --no-flat-turn;
-    neither: the server's default); the rest are the server's defaults."""
+    FUSED_MOE (--fused-moe), CUDA_GRAPHS (off with --eager); the rest are the server's defaults."""
     from app.config import Settings
 
-    values: dict[str, Any] = {"device": args.device, "torch_compile": args.compile, "fused_moe": args.fused_moe,
-                              "cuda_graphs": not args.eager}
-    if args.flat_turn is not None:
-        values["flat_turn"] = args.flat_turn
-    return Settings.of(**values)
+    return Settings.of(device=args.device, torch_compile=args.compile, fused_moe=args.fused_moe,
+                       cuda_graphs=not args.eager)
 
 
 def build_reader(args: argparse.Namespace, model: Any, hf_tokenizer: Any, processor: Any) -> tuple[Any, Any]:
@@ -146,17 +140,17 @@ async def timed_decisions(decider: Any, bodies: Sequence[dict], images: Sequence
     return seconds
 
 
-def batch_timeline(batches: list[tuple[float, float, int]], elapsed: float) -> dict[str, float]:
-    """Where a closed loop's time went, from each read batch's (start, end, rows): the share of the
-    time a batch was running, batch time and rows, and the idle gap between one batch's end and the
-    next one's start (clients turning round, the gather window)."""
-    if not batches:
+def turn_timeline(turns: list[tuple[float, float, int]], elapsed: float) -> dict[str, float]:
+    """Where a closed loop's time went, from each engine turn's (start, end, canvases): the share of
+    the time a turn was running, turn time and canvases, and the idle gap between one turn's end and
+    the next one's start (clients turning round, the gather window)."""
+    if not turns:
         return {}
-    gaps = [nxt[0] - prev[1] for prev, nxt in zip(batches, batches[1:])]
-    return {"batches": len(batches), "busy_share": round(sum(end - start for start, end, _ in batches) / elapsed, 3),
-            "batch_ms": round(statistics.median(end - start for start, end, _ in batches) * 1000, 1),
+    gaps = [nxt[0] - prev[1] for prev, nxt in zip(turns, turns[1:])]
+    return {"turns": len(turns), "busy_share": round(sum(end - start for start, end, _ in turns) / elapsed, 3),
+            "turn_ms": round(statistics.median(end - start for start, end, _ in turns) * 1000, 1),
             "gap_ms": round(statistics.median(gaps) * 1000, 1) if gaps else 0.0,
-            "rows_min": min(rows for *_, rows in batches), "rows_max": max(rows for *_, rows in batches)}
+            "rows_min": min(rows for *_, rows in turns), "rows_max": max(rows for *_, rows in turns)}
 
 
 async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, seed: int) -> dict[str, Any]:
@@ -167,15 +161,16 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
     latencies: list[float] = []
     deadline = time.perf_counter() + duration
     before = dict(reader.stats)
-    batches: list[tuple[float, float, int]] = []
-    read_batch = reader._read_batch
+    turns: list[tuple[float, float, int]] = []
+    step = reader._step
+    own = reader.__dict__.get("_step")  # a step of its own (`--turnaround`'s), put back after
 
-    async def timed_batch(loop: Any, batch: list) -> None:
+    def timed_step(jobs: list, dropped: list) -> Any:
+        """The reader's engine turn (`HFReader._step`, on the engine thread), timed: its canvases."""
         started = time.perf_counter()
-        try:
-            await read_batch(loop, batch)
-        finally:
-            batches.append((started, time.perf_counter(), sum(job.rows for job in batch)))
+        report = step(jobs, dropped)
+        turns.append((started, time.perf_counter(), report.canvas_parts))
+        return report
 
     async def client(number: int) -> None:
         rng = random.Random(seed * 1000 + number)
@@ -185,12 +180,15 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
             latencies.append(time.perf_counter() - started)
 
     started = time.perf_counter()
-    reader._read_batch = timed_batch  # the engine loop looks it up on every batch
+    reader._step = timed_step  # the engine loop looks it up on every turn
     try:
         with CollectorPauses() as pauses:
             await asyncio.gather(*(client(n) for n in range(clients)))
     finally:
-        del reader._read_batch
+        if own is None:
+            del reader._step
+        else:
+            reader._step = own
     elapsed = time.perf_counter() - started
     delta = {key: value - before.get(key, 0) for key, value in reader.stats.items()}
     requests = len(latencies)
@@ -199,54 +197,9 @@ async def closed_loop(decider: Any, reader: Any, clients: int, duration: float, 
             "decisions_per_s": 3 * requests / elapsed, **latency_summary(latencies),
             "canvases_per_pass": delta.get("decoder_rows", 0) / passes,
             "encoder_passes_per_request": delta.get("encoder_passes", 0) / max(requests, 1),
-            "over_a_prefix_share": delta.get("prefix_hits", 0) / max(delta.get("kv_misses", 0), 1),
-            "timeline": {**batch_timeline(batches, elapsed), **pauses.summary()}}
-
-
-def breakdown(runner: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, float]:
-    """Where a new walk frame's read and a think denoise pass spend their time: each stage timed
-    alone (CUDA synchronized), medians over fresh frames. Runs while the reader is idle."""
-    import statistics
-
-    import torch
-
-    from app.engine.base import GenerateSpec, ImageInput, Prompt
-    from app.engine.hf.prompts import EncodedPrompt
-
-    sync = device_sync(args.device)
-    stages: dict[str, list[float]] = {}
-
-    def timed(name: str, call: Any) -> Any:
-        out, seconds = timed_call(call, sync)
-        stages.setdefault(name, []).append(seconds * 1000)
-        return out
-
-    ids = tuple(tokenizer.render_chat("Answer.", "What is ahead?", 1, False))
-    canvas = list(tokenizer.encode("ahead: all clear")) + [tokenizer.turn_close_id]
-    canvas += [tokenizer.pad_id] * (32 - len(canvas))
-    with torch.no_grad():
-        for data in frames(args.reps + 2):
-            prompt = Prompt(ids, (ImageInput(data, "image/jpeg", "frame"),))
-            inputs = timed("frame: image decode + processor (CPU) + upload", lambda: runner.model_inputs(prompt))
-            embeds = timed("frame: vision tower + embeddings (graph where one is held)", lambda: runner.input_embeds(inputs))
-            layers = timed("frame: encoder pass (graph) + KV copy-out", lambda: runner._encode_embeds([embeds]))
-            encoded = EncodedPrompt(layers[0], int(embeds.shape[0]))
-            timed("frame: decoder pass (graph) + slot logits",
-                  lambda: runner.logits(runner.decoder_hidden([(encoded, canvas)])[0, :4]).cpu())
-        text = Prompt(tuple(tokenizer.render_chat("Think.", "a ticket", 0, True)))
-        gen = runner.start_generation(GenerateSpec(text, 64, (), seed=1), 64)
-        conditioning = None
-        for _ in range(min(args.reps + 2, 40)):
-            block = gen.block
-            if block is not None and block.conditioning is not None:
-                conditioning = block.conditioning
-                context = EncodedPrompt([(layer.keys, layer.values) for layer in gen.cache.layers], gen.length)
-                row = [(context, block.canvas[0].tolist())]
-                timed("think pass: decoder graph replay alone (width 64, self-conditioned)",
-                      lambda: (runner.graphs.hidden(row, conditioning) if runner.graphs
-                               else runner.decoder_hidden(row, conditioning)))
-            timed("think pass: whole step_generation (width 64)", lambda: runner.step_generation(gen))
-    return {name: round(statistics.median(values[2:] or values), 1) for name, values in stages.items()}
+            # What the KV store's shared blocks left to write: the prompt tokens the turns wrote a request.
+            "prompt_tokens_per_request": delta.get("flat_prompt_tokens", 0) / max(requests, 1),
+            "timeline": {**turn_timeline(turns, elapsed), **pauses.summary()}}
 
 
 def stat_delta(reader: Any, before: dict, name: str) -> float:
@@ -260,8 +213,8 @@ async def level(decider: Any, reader: Any, args: argparse.Namespace, clients: in
     await closed_loop(decider, reader, clients, min(warmup_s, args.seconds), seed=seeds[0])
     point = await closed_loop(decider, reader, clients, args.seconds, seed=seeds[1])
     print(f"  {label}{clients} clients: {point['req_per_s']:.2f} req/s, p50 {point['p50_ms']:.0f} ms, "
-          f"p95 {point['p95_ms']:.0f} ms, {point['canvases_per_pass']:.1f} canvases a pass; "
-          f"batches {point['timeline']}", flush=True)
+          f"p95 {point['p95_ms']:.0f} ms, {point['canvases_per_pass']:.1f} canvases a turn; "
+          f"turns {point['timeline']}", flush=True)
     return point
 
 
@@ -291,40 +244,6 @@ async def gather_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> l
     `--gather-levels` clients for each window of `--gather-ms` (the reader's options)."""
     return await sweep(decider, reader, args, reader, "options", "gather_ms", args.gather_ms, args.gather_levels,
                        "gather {:g} ms, ", 2000)
-
-
-async def eager_tokens_sweep(decider: Any, reader: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Where the encoder's large passes stop being graphed (EAGER_TOKENS in app/engine/hf/graphs/shapes.py)
-    chosen by measurement: the closed loop at `--eager-levels` clients for each threshold of
-    `--eager-tokens` (the encoder graphs' shape policy)."""
-    graphs = reader.runner.encoder_graphs
-    if graphs is None:
-        return []
-    return await sweep(decider, reader, args, graphs, "policy", "eager_tokens", args.eager_tokens, args.eager_levels,
-                       "encoder graphs below {} tokens, ", 6000)
-
-
-async def unshared(decider: Any, reader: Any, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
-    """The same decisions with every prompt encoded whole (no shared prefix: the prefix LRU off), for
-    the ratio: one new-state decision and the closed loop at `--unshared-levels`."""
-    from app.engine.hf.prompts import PromptCache
-
-    if not args.unshared_levels:
-        return {}
-    runner = reader.runner
-    prefixes = runner.prefixes
-    runner.prefixes = PromptCache(0)
-    try:
-        await timed_decisions(decider, [ticket_request(rng) for _ in range(2)])
-        result: dict[str, Any] = {"unique": latency_summary(await timed_decisions(
-            decider, [ticket_request(rng) for _ in range(args.reps)])), "curve": []}
-        print(f"  no shared prefixes: one decision {result['unique']['p50_ms']:.1f} ms new state", flush=True)
-        for clients in args.unshared_levels:
-            result["curve"].append(await level(decider, reader, args, clients, (clients + 4000, clients + 5000),
-                                               "no shared prefixes, "))
-    finally:
-        runner.prefixes = prefixes
-    return result
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -364,13 +283,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     reader, settings = build_reader(args, model, hf_tokenizer, processor)
     results["reader_s"] = round(time.perf_counter() - started, 1)
-    results["flat_turn"] = reader.runner.flat is not None
     results["experts"], results["fused_moe"] = experts_of(model)
-    results["settings"] = {"flat_turn": settings.hf.flat_turn, "torch_compile": settings.hf.torch_compile,
-                           "fused_moe": settings.hf.fused_moe, "cuda_graphs": settings.hf.cuda_graphs}
+    results["settings"] = {"torch_compile": settings.hf.torch_compile, "fused_moe": settings.hf.fused_moe,
+                           "cuda_graphs": settings.hf.cuda_graphs, "turn_tokens": reader.runner.flat.budget}
     print(f"  reader built in {results['reader_s']} s; experts: {results['experts'] or 'transformers default'}"
-          f"{' (djev Triton kernels)' if results['fused_moe'] else ''}; "
-          f"{'the flat turn' if results['flat_turn'] else 'the row path'}", flush=True)
+          f"{' (djev Triton kernels)' if results['fused_moe'] else ''}; turns of {results['settings']['turn_tokens']} "
+          "tokens", flush=True)
     await reader.start()
     ready_report(reader, results)
     decider = Decider(reader, build.read_settings(settings))
@@ -390,8 +308,6 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             results["curve"].append(await level(decider, reader, args, clients, (clients + 1000, clients)))
 
         results["gather"] = await gather_sweep(decider, reader, args)
-        results["unshared"] = await unshared(decider, reader, args, rng)
-        results["eager_tokens"] = await eager_tokens_sweep(decider, reader, args)
 
         pictures = [(ImageInput(data, "image/jpeg", f"frame {i}"),) for i, data in enumerate(frames(args.reps + 2))]
         clear = {"state": WALK_STATE, "samples": 1, "questions": {"ahead": AHEAD}}
@@ -400,8 +316,6 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         results["clear_frame"] = latency_summary(await timed_decisions(decider, [clear] * args.reps, pictures[2:]))
         fresh = [(ImageInput(data, "image/jpeg", f"frame {i}"),) for i, data in enumerate(frames(args.reps))]
         results["blocked_frame"] = latency_summary(await timed_decisions(decider, [blocked] * args.reps, fresh))
-        if reader.runner.flat is None:  # the row path's passes one by one (the flat turn has one forward)
-            results["breakdown"] = breakdown(reader.runner, reader.tokenizer, args)
         print(f"  walk frame: clear {results['clear_frame']['p50_ms']:.1f} ms, "
               f"blocked {results['blocked_frame']['p50_ms']:.1f} ms", flush=True)
 
@@ -420,19 +334,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         if args.grids:
             results["grids"] = await grids(decider, reader, args, rng)
         runner = reader.runner
-        graphs, encoder_graphs = runner.graphs, runner.encoder_graphs
-        results["cuda_graphs"] = None if graphs is None else {
-            "decoder_captured": graphs.captures, "decoder_failed": len(graphs.cache.failed),
-            "decoder_held": len(graphs.cache), "decoder_memory_gib": round(graphs.memory_bytes / 2**30, 2),
-            "encoder_captured": encoder_graphs.captures, "encoder_failed": len(encoder_graphs.cache.failed),
-            "encoder_held": len(encoder_graphs.cache),
-            "encoder_memory_gib": round(encoder_graphs.memory_bytes / 2**30, 2),
-            "vision_captured": getattr(runner.vision_graphs, "captures", None)}
-        flat_graphs = runner.flat.forward.graphs if runner.flat is not None else None
-        if flat_graphs is not None:  # the flat turn's graphs by token count
-            results["cuda_graphs"] = {"flat_captured": flat_graphs.captures, "flat_failed": len(flat_graphs.cache.failed),
-                                      "flat_held": len(flat_graphs.cache),
-                                      "vision_captured": getattr(runner.vision_graphs, "captures", None)}
+        flat_graphs = runner.flat.forward.graphs
+        results["cuda_graphs"] = None if flat_graphs is None else {  # the flat turn's pieces by token count
+            "flat_captured": flat_graphs.captures, "flat_failed": len(flat_graphs.cache.failed),
+            "flat_held": len(flat_graphs.cache), "flat_memory_gib": round(flat_graphs.memory / 2**30, 2),
+            "vision_captured": getattr(runner.images.graphs, "captures", None)}
         print(f"  cuda graphs: {results['cuda_graphs']}", flush=True)
         results["stats"] = dict(reader.stats)
         if on_cuda:
@@ -467,8 +373,8 @@ async def grids(decider: Any, reader: Any, args: argparse.Namespace, rng: random
             await timed_decisions(decider, [body()])
             before = dict(reader.stats)
             cold = latency_summary(await timed_decisions(decider, [body() for _ in range(reps)]))
-            cold["eager_encoder_passes"] = (stat_delta(reader, before, "encoder_passes")
-                                            - stat_delta(reader, before, "encoder_graph_replays")) / reps
+            cold["turns"] = stat_delta(reader, before, "flat_turns") / reps
+            cold["eager_turns"] = stat_delta(reader, before, "flat_graph_fallbacks") / reps  # no bucket held
             same = body()
             await timed_decisions(decider, [same])
             warm = latency_summary(await timed_decisions(decider, [same] * reps))
@@ -532,47 +438,24 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
                       [[b, fmt(eager.get(b, nan), 1), fmt(static.get(b, nan), 1),
                         fmt(naive.get("decoder_pass_eager", {}).get(b, nan), 1), fmt(decoder.get(b, nan), 1)]
                        for b in (1, 8, 32)]), ""]
-    if results.get("breakdown"):
-        lines += ["where the time goes (medians, each stage alone, CUDA synchronized):", "",
-                  markdown_table(["stage", "ms"], [[name, fmt(ms, 1)] for name, ms in results["breakdown"].items()]), ""]
     lines += [
         markdown_table(["one decision (samples 1)", "p50 ms", "p95 ms", "/ naive full read eager b1",
                         "/ naive StaticCache graph b1 (same state: / naive decoder graph b1)"], single),
         "",
-        markdown_table(["clients", "requests", "req/s", "p50 ms", "p95 ms", "canvases per decoder pass",
+        markdown_table(["clients", "requests", "req/s", "p50 ms", "p95 ms", "canvases per turn",
                         "naive reads/s (one eager batch of min(clients, 32))", "engine / naive"], curve),
         "",
-        "read batches at each level (busy: share of the time a batch ran; gap: median idle time between "
-        "batches; medians):",
+        "engine turns at each level (busy: share of the time a turn ran; gap: median idle time between "
+        "turns; medians; prompt tokens: what the turns wrote a request, the shared blocks aside):",
         "",
-        markdown_table(["clients", "batches", "busy", "batch ms", "gap ms", "rows min-max"],
-                       [[p["clients"], t.get("batches"), t.get("busy_share"), t.get("batch_ms"), t.get("gap_ms"),
-                         f"{t.get('rows_min')}-{t.get('rows_max')}"]
+        markdown_table(["clients", "turns", "busy", "turn ms", "gap ms", "canvases min-max", "prompt tokens/request"],
+                       [[p["clients"], t.get("turns"), t.get("busy_share"), t.get("turn_ms"), t.get("gap_ms"),
+                         f"{t.get('rows_min')}-{t.get('rows_max')}", fmt(p["prompt_tokens_per_request"], 0)]
                         for p in results["curve"] for t in [p.get("timeline") or {}]]),
     ]
-    if results.get("unshared"):
-        by_clients = {p["clients"]: p for p in results["curve"]}
-        rows = [["one decision, new state (p50 ms)", fmt(results["unshared"]["unique"]["p50_ms"], 1),
-                 fmt(results["unique"]["p50_ms"], 1),
-                 ratio(results["unique"]["p50_ms"], results["unshared"]["unique"]["p50_ms"])]]
-        for p in results["unshared"]["curve"]:
-            shared = by_clients.get(p["clients"])
-            rows.append([f"{p['clients']} clients (req/s; p95 ms)",
-                         f"{fmt(p['req_per_s'], 2)}; {fmt(p['p95_ms'], 0)}",
-                         "-" if shared is None else f"{fmt(shared['req_per_s'], 2)}; {fmt(shared['p95_ms'], 0)}",
-                         "-" if shared is None else f"{shared['req_per_s'] / p['req_per_s']:.2f}x req/s"])
-        lines += ["", "prompts encoded whole vs over their question sheet's shared prefix (the prefix LRU on, the "
-                  "server's default; the tickets share a sheet):", "",
-                  markdown_table(["figure", "every prompt whole", "over the shared prefix", "ratio"], rows)]
-    if results.get("eager_tokens"):
-        lines += ["", markdown_table(["encoder graphs below (tokens)", "clients", "req/s", "p50 ms", "p95 ms",
-                                      "batch ms", "gap ms"],
-                                     [[p["eager_tokens"], p["clients"], fmt(p["req_per_s"], 2), fmt(p["p50_ms"], 0),
-                                       fmt(p["p95_ms"], 0), t.get("batch_ms"), t.get("gap_ms")]
-                                      for p in results["eager_tokens"] for t in [p.get("timeline") or {}]])]
     if results.get("gather"):
         lines += ["", markdown_table(["gather ms (BATCH_GATHER_MS)", "clients", "req/s", "p50 ms", "p95 ms",
-                                      "canvases per decoder pass"],
+                                      "canvases per turn"],
                                      [[fmt(p["gather_ms"], 0), p["clients"], fmt(p["req_per_s"], 2), fmt(p["p50_ms"], 0),
                                        fmt(p["p95_ms"], 0), fmt(p["canvases_per_pass"], 1)] for p in results["gather"]])]
     grid = results.get("grids")
@@ -581,10 +464,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
         lines += ["", markdown_table(["questions", "p50 ms", "p95 ms", "canvases per decision"],
                                      [[q["questions"], fmt(q["p50_ms"], 1), fmt(q["p95_ms"], 1), fmt(q["canvases"], 1)]
                                       for q in grid["questions"]]),
-                  "", markdown_table(["prompt tokens", "cold p50 ms", "warm p50 ms", "eager encoder passes (cold)",
-                                      "naive full read eager b1 ms", "cold / naive"],
+                  "", markdown_table(["prompt tokens", "cold p50 ms", "warm p50 ms", "turns (cold)",
+                                      "eager turns (cold)", "naive full read eager b1 ms", "cold / naive"],
                                      [[p["tokens"], fmt(p["cold"]["p50_ms"], 1), fmt(p["warm"]["p50_ms"], 1),
-                                       fmt(p["cold"]["eager_encoder_passes"], 1),
+                                       fmt(p["cold"]["turns"], 1), fmt(p["cold"]["eager_turns"], 1),
                                        fmt(naive_prompts.get(p["tokens"]) or nan, 1),
                                        ratio(p["cold"]["p50_ms"], naive_prompts.get(p["tokens"]))]
                                       for p in grid["prompts"]]),
@@ -605,22 +488,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-grids", dest="grids", action="store_false", help="skip the cost-growth grids (E)")
     parser.add_argument("--grid-prompts", type=numbers(int), default="300,2000,8000,32000",
                         help="prompt sizes of grid (E), in tokens")
-    parser.add_argument("--eager", action="store_true", help="decoder passes without CUDA graphs (CUDA_GRAPHS=0)")
+    parser.add_argument("--eager", action="store_true", help="turns without CUDA graphs (CUDA_GRAPHS=0)")
     parser.add_argument("--gather-ms", type=numbers(float), default="",
                         help="gather windows to sweep, ms, e.g. 0,2,5,10,20 (default: none)")
     parser.add_argument("--gather-levels", type=numbers(int), default="8,32",
                         help="client counts of the gather sweep (default 8,32)")
-    parser.add_argument("--unshared-levels", type=numbers(int), default="",
-                        help="client counts to run again with every prompt encoded whole, no shared prefix "
-                             "(e.g. 32; default: none)")
-    parser.add_argument("--eager-tokens", type=numbers(int), default="",
-                        help="encoder graph thresholds (rows x length) to sweep, e.g. 4096,8192 (default: none)")
-    parser.add_argument("--eager-levels", type=numbers(int), default="32",
-                        help="client counts of the threshold sweep (default 32)")
     parser.add_argument("--compile", action="store_true", help="compile the layer bodies (TORCH_COMPILE=1)")
-    parser.add_argument("--flat-turn", action=argparse.BooleanOptionalAction, default=None,
-                        help="the hf engine's flat turn (FLAT_TURN=1): one forward a turn, its graphs by token count; "
-                             "--no-flat-turn the row path (FLAT_TURN=0); neither: the server's default")
     parser.add_argument("--fused-moe", action="store_true", help="the experts as djev's Triton kernels (FUSED_MOE=1)")
     parser.add_argument("--turnaround", action="store_true",
                         help="only the closed loop at --levels over an engine that answers at once: the decisions' "
@@ -641,32 +514,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class InstantRunner:
-    """A runner that answers every read at once (each slot's labels at fixed logprobs): a closed loop
-    over it measures only the decisions' own work around the engine (`--turnaround`)."""
+def instant_step(jobs: Sequence[Any], dropped: Sequence[Any]) -> Any:
+    """An engine turn that answers every read at once (each slot's labels at fixed logprobs), in
+    `HFReader._step`'s place: a closed loop over it measures only the decisions' own work around the
+    engine (`--turnaround`). Its reads are the ticket's: no generation reaches it."""
+    from app.engine.base import ReadResult, SlotRead
+    from app.engine.hf.engine import TurnReport
+    from app.engine.hf.reads import ReadProgram
 
-    def __init__(self, real: Any) -> None:
-        self.real = real
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
-
-    def read(self, specs: Sequence[Any], preprocessed: Any = None) -> list[Any]:
-        from app.engine.base import ReadResult, SlotRead
-
-        return [ReadResult(slots=tuple(tuple(SlotRead(tuple(-1.0 - 0.1 * i for i in range(len(labels))), labels[0])
-                                             for labels in spec.label_ids) for _ in spec.canvases),
-                           prompt_tokens=len(spec.prompt.ids)) for spec in specs]
+    for job in jobs:
+        program = job.work
+        assert isinstance(program, ReadProgram), "--turnaround decides tickets: reads only"
+        program.results = [
+            ReadResult(slots=tuple(tuple(SlotRead(tuple(-1.0 - 0.1 * i for i in range(len(labels))), labels[0])
+                                         for labels in spec.label_ids) for _ in spec.canvases),
+                       prompt_tokens=len(spec.prompt.ids)) for spec in program.specs]
+    return TurnReport(list(jobs), 0, 0, sum(job.rows for job in jobs))
 
 
 async def turnaround(args: argparse.Namespace) -> dict[str, Any]:
-    """The closed loop at each level over InstantRunner: decisions a second, and the time one
-    decision's own work takes on the event loop (what a read batch waits for between cycles)."""
+    """The closed loop at each level over `instant_step`: decisions a second, and the time one
+    decision's own work takes on the event loop (what an engine turn waits for between cycles)."""
     from app import build
     from app.decisions.run import Decider
 
     reader, settings = build_reader(args, *random_weights(args))
-    reader.runner = InstantRunner(reader.runner)
+    reader._step = instant_step  # the engine loop looks it up on every turn
     await reader.start()
     points = []
     try:
@@ -696,8 +569,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"building the {'tiny' if args.tiny else 'full-size'} model on {args.device} ...", flush=True)
     results = asyncio.run(measure(args))
     print()
-    mode = ("eager decoder passes" if args.eager else "CUDA-graph decoder passes") + \
-        f", vision attention {args.vision_attention} first" + (", the flat turn" if results.get("flat_turn") else "")
+    mode = ("eager turns" if args.eager else "turns as CUDA graphs") + f", vision attention {args.vision_attention} first"
     print(header(f"bench_gpu_decisions: whole decisions through Decider + HFReader ({mode})", info))
     print()
     print(report(results, args))

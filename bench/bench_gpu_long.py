@@ -3,11 +3,12 @@ engine, in process and through `djev serve`, beside naive transformers at the si
 
 For each size (default 8,700 / 35,000 / 110,000 prompt tokens, the reference's 8,678 / 35,133 /
 110,707): a state of about that many tokens, a one-question decision on it (a noul, samples 1), read
-cold (the state never seen: its prompt encoded in chunks of PREFILL_CHUNK tokens) and then warm (the
-same decision again: the prompt's KV from the LRU). In process the reader is built as the server
-builds it (bench/models.py's `load_random`: random weights through `hf_reader`, the graphs
-captured before ready) with MAX_PROMPT_TOKENS raised to hold the largest size; each size's peak GPU
-memory above the resting memory is recorded. Through the server (`--served`, the served bench's
+cold (the state never seen: its prompt written in chunks of PREFILL_CHUNK tokens, one an engine turn,
+at most TURN_TOKENS each) and then warm (the same decision again: the prompt's KV from the engine's KV
+store). In process the reader is built as the server builds it (bench/models.py's `load_random`:
+random weights through `hf_reader`, the graphs captured before ready) with MAX_PROMPT_TOKENS raised to
+hold the largest size (within what the KV store holds: `max_prompt_tokens` in the JSON; a larger state
+is refused); each size's peak GPU memory above the resting memory is recorded. Through the server (`--served`, the served bench's
 server subprocess, bench/server.py, with the same settings): the same cold and warm reads over
 HTTP, and a steady ticket client's latencies while the largest cold read runs (chunks take turns
 with other reads).
@@ -144,7 +145,8 @@ async def in_process(args: argparse.Namespace, settings: Any, states: list[str],
         for line in after_ready_lines(built, "in process at the end"):
             print(f"  {line}", flush=True)
         await reader.stop()
-    return {"load_s": load_s, "prime_s": prime_s, "chunk_sweep": sweep, "rows": rows,
+    return {"load_s": load_s, "max_prompt_tokens": reader.runner.max_prompt_tokens, "prime_s": prime_s,
+            "chunk_sweep": sweep, "rows": rows,
             "naive_full_read_eager_ms": naive, "compile_counts_at_ready": at_ready, "after_ready": built}
 
 
@@ -261,7 +263,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill-chunk", type=int, default=None, help="PREFILL_CHUNK for both runs "
                         "(default: the server's)")
     parser.add_argument("--chunk-sweep", type=numbers(int), default="", help="PREFILL_CHUNK values to time one cold read of "
-                        "--sweep-size tokens at, in process, before the sizes (e.g. 1024,2048,4096,8192)")
+                        "--sweep-size tokens at, in process, before the sizes (e.g. 1024,2048,4096; a turn writes at most "
+                        "TURN_TOKENS of a prompt, whatever the chunk)")
     parser.add_argument("--sweep-size", type=int, default=35000)
     parser.add_argument("--warm-reps", type=int, default=5, help="warm reads after each cold one, in process "
                         "(the median reported, the slowest beside it)")

@@ -23,8 +23,8 @@ websockets in each; every state and frame unique, frames encoded before the cloc
   (f) a burst: a steady ticket client, alone for a fifth of the row, then beside --heavy-copies of
       every heavy kind sent at once (a long state, 255 options x 8 questions, 200 questions, a big think
       budget, steps 8 x samples 32; each copy sends again when answered until the row's seconds end).
-      A heavy request waits up to --heavy-timeout (default 120 s, on the row path and the flat turn
-      alike: never cut by --deadline) for its answer, and the row waits for the last one (the steady
+      A heavy request waits up to --heavy-timeout (default 120 s, never cut by --deadline) for its
+      answer, and the row waits for the last one (the steady
       client sending on), so the row lasts its seconds and the burst's tail, and may end up to
       --heavy-timeout past --deadline. Reported: the steady client's p50/p99/max alone and beside the
       heavy requests; per heavy kind, the requests sent, answered, timed out at the client and refused
@@ -36,9 +36,9 @@ allocator freeing its cache to find memory) shows. Right after ready the server'
 printed (the reader's `compile_counts` through `GET /bench/compile-counts`, the graphs by kind from
 /metrics), and at the end its after-ready counters (djev_hf_*_after_ready; a WARNING line names
 any that is not 0). Each row ends by checking that the KV store's blocks in use
-(djev_hf_kv_blocks_used, the flat turn's) are back to their resting count, the value read before the
-row once the server was idle (cached and pinned blocks may stay): `blocks_used_before` and
-`blocks_used_after` in the row, a line when they are not (None on the row path, which keeps no blocks).
+(djev_hf_kv_blocks_used) are back to their resting count, the value read before the row once the
+server was idle (cached and pinned blocks may stay): `blocks_used_before` and `blocks_used_after` in
+the row, a line when they are not (None where there is no count: another engine).
 
 Output: the markdown tables (printed, and $OUT/bench_gpu_served.md), $OUT/bench_gpu_served.json,
 $OUT/camera_curve.png (row e), and the server's log $OUT/bench_gpu_served.server.log.
@@ -99,11 +99,12 @@ from bench.server import (  # noqa: E402
 )
 
 COUNTER_WORDS = ("capture", "compile", "fallback", "recompile", "graph", "retries")
-# The engine's work in a row (its passes, their rows, the prompts encoded over a prefix, its busy time):
-# kept apart from the counters above, in each row's `engine` and the report's engine table.
-WORK_STATS = ("decoder_passes", "decoder_rows", "encoder_passes", "vision_passes", "prefix_hits",
-              "image_prefix_hits", "kv_hits", "kv_misses", "busy_ms",
-              *(f"{kind}_turn_{unit}" for kind in ("read", "heavy", "generation") for unit in ("count", "ms")))
+# The engine's work in a row (its turns, the canvases they read, the prompts found whole in the KV
+# store, the prompt tokens written, its busy time): kept apart from the counters above, in each row's
+# `engine` and the report's engine table. An engine turn that wrote prompt KV counts as an encoder
+# pass, one that read canvases as a decoder pass (app/engine/hf/engine.py).
+WORK_STATS = ("decoder_passes", "decoder_rows", "encoder_passes", "vision_passes", "kv_hits", "kv_misses",
+              "flat_prompt_tokens", "busy_ms", "flat_turn_count", "flat_turn_ms")
 ROW_OVERHEAD_S = 6.0  # frames, the end's grace, the scrapes: what a row costs beyond its seconds, for the deadline
 KV_GAUGE = "djev_hf_kv_blocks_used"  # the flat turn's KV store: blocks referenced by a read or generation
 KV_SETTLE_S = 5.0  # how long a row's end waits for the blocks in use to come back to their resting count
@@ -167,9 +168,9 @@ def drain_sessions(server: Server, api_key: str, timeout: float = 5.0) -> None:
         time.sleep(0.1)
 
 
-def kv_blocks_used(series: dict[str, float], flat_turn: bool) -> tuple[float | None, str]:
+def kv_blocks_used(series: dict[str, float]) -> tuple[float | None, str]:
     """The KV store's blocks in use in /metrics `series` (KV_GAUGE): (the count, "") or (None, why
-    there is none). Before the flat turn's first turn the gauge is not exported yet and the store holds
+    there is none). Before the engine's first turn the gauge is not exported yet and the store holds
     nothing: 0."""
     if not series:
         return None, "/metrics did not answer"
@@ -178,23 +179,20 @@ def kv_blocks_used(series: dict[str, float], flat_turn: bool) -> tuple[float | N
         return None, f"the {engine} engine keeps no KV blocks gauge ({KV_GAUGE})"
     if KV_GAUGE in series:
         return series[KV_GAUGE], ""
-    if not flat_turn:
-        return None, f"the row path (FLAT_TURN=0) keeps no KV blocks: {KV_GAUGE} is not exported"
     if not series.get("djev_hf_flat_turn_count_total"):
-        return 0.0, ""  # no flat turn has run: no block was ever taken
-    return None, f"{KV_GAUGE} is missing from /metrics though flat turns ran"
+        return 0.0, ""  # no engine turn has run: no block was ever taken
+    return None, f"{KV_GAUGE} is missing from /metrics though engine turns ran"
 
 
 class BlocksCheck:
     """Each row ends with the KV store's blocks in use back at their resting count: `resting` reads
     the count before a row once the server is idle (no decision in flight, nothing queued), `settled`
     waits up to KV_SETTLE_S after it for the count to come back (cached and pinned blocks may stay:
-    they are not in use). Where there is no count (not hf, the row path, the gauge missing) it says
-    why once, in `notes`."""
+    they are not in use). Where there is no count (not hf, the gauge missing) it says why once, in
+    `notes`."""
 
-    def __init__(self, server: Server, flat_turn: bool, notes: list[str], settle_s: float = KV_SETTLE_S) -> None:
+    def __init__(self, server: Server, notes: list[str], settle_s: float = KV_SETTLE_S) -> None:
         self.server = server
-        self.flat_turn = flat_turn
         self.notes = notes
         self.settle_s = settle_s
         self.said: set[str] = set()
@@ -205,7 +203,7 @@ class BlocksCheck:
         limit = now() + self.settle_s
         while True:
             series = read_metrics(self.server.url)
-            used, why = kv_blocks_used(series, self.flat_turn)
+            used, why = kv_blocks_used(series)
             if used is None:
                 if why not in self.said:
                     self.said.add(why)
@@ -377,7 +375,7 @@ def heavy_assignment(kinds: Sequence[str], copies: int, workers: int) -> list[li
 
 def heavy_wait_s(args: argparse.Namespace) -> float:
     """How far past --deadline the run may go: row (f)'s heavy requests each wait up to --heavy-timeout
-    (never cut, so the row path and the flat turn are measured alike) and the row waits for the last
+    (never cut, so runs of different settings wait alike) and the row waits for the last
     (plus the clients' grace); 0 where row (f) does not run."""
     steady = any(row.kind == "steady" for row in plan(args))
     return args.heavy_timeout + 3.0 + 5.0 if steady else 0.0  # the clients' grace past it, the cancelled ones' wait
@@ -552,8 +550,8 @@ def run_row(row: Row, number: int, args: argparse.Namespace, server: Server, poo
 
 
 def measure(args: argparse.Namespace, server: Server, pool: ClientPool, results: dict[str, Any], deadline: float,
-            api_key: str, flat_turn: bool = False) -> None:
-    blocks = BlocksCheck(server, flat_turn, results["notes"])
+            api_key: str) -> None:
+    blocks = BlocksCheck(server, results["notes"])
     for number, row in enumerate(plan(args)):
         label = f"({row.key}) {row.name}, {row.clients} {'cameras' if row.kind.startswith('camera') else 'clients'}"
         need = args.seconds + (args.twin_seconds if row.twin else 0.0) + ROW_OVERHEAD_S
@@ -702,10 +700,11 @@ def report(results: dict[str, Any]) -> str:
                   markdown_table(["row", "before", "after", "back"], blocks), ""]
     work = [engine_row(p, results["args"]["seconds"]) for p in results["rows"] if p.get("engine")]
     if work:
-        lines += ["the engine's work in each served row (/metrics deltas; rows a pass = decoder rows / passes):", "",
-                  markdown_table(["row", "decoder passes", "rows a pass", "encoder passes", "vision passes",
-                                  "over a prefix (sheet / frame)", "busy share",
-                                  "mean turn ms (read / heavy / generation)"], work), ""]
+        lines += ["the engine's work in each served row (/metrics deltas; turns that read canvases, and their "
+                  "canvases a turn; turns that wrote prompt KV, and the prompt tokens written; prompts found whole "
+                  "in the KV store):", "",
+                  markdown_table(["row", "canvas turns", "canvases a turn", "prompt turns", "prompt tokens written",
+                                  "vision passes", "KV store hits / misses", "busy share", "mean turn ms"], work), ""]
     if results.get("stages"):
         lines += stages_table(results["stages"])
     if results["notes"]:
@@ -722,9 +721,8 @@ def engine_row(point: dict[str, Any], row_seconds: float) -> list[Any]:
     busy = stat("busy_ms") / 1000 / seconds if seconds else float("nan")
     per_pass = stat("decoder_rows") / passes if passes else float("nan")
     return [f"({point['row']}) {point['clients']}", f"{passes:g}", fmt(per_pass, 1),
-            f"{stat('encoder_passes'):g}", f"{stat('vision_passes'):g}",
-            f"{stat('prefix_hits'):g} / {stat('image_prefix_hits'):g}", fmt(busy, 2),
-            " / ".join(mean_turn(stat, kind) for kind in ("read", "heavy", "generation"))]
+            f"{stat('encoder_passes'):g}", f"{stat('flat_prompt_tokens'):g}", f"{stat('vision_passes'):g}",
+            f"{stat('kv_hits'):g} / {stat('kv_misses'):g}", fmt(busy, 2), mean_turn(stat, "flat")]
 
 
 def mean_turn(stat: Callable[[str], float], kind: str) -> str:
@@ -764,8 +762,8 @@ def camera_plot(results: dict[str, Any], path: Path) -> Path | None:
 # How long past --deadline a --restart may wait for the second start to be ready.
 RESTART_S = 170.0
 # Row (f): how long each heavy request may wait for its answer (--heavy-timeout), the server's
-# REQUEST_TIMEOUT by default. Never cut to fit --deadline: an A/B of the row path and the flat turn
-# waits alike (a cut made it 5 s on one path and 32 s on the other in one run).
+# REQUEST_TIMEOUT by default. Never cut to fit --deadline: an A/B of two settings waits alike (a cut
+# made it 5 s on one side and 32 s on the other in one run).
 HEAVY_TIMEOUT_S = 120.0
 # The workloads whose engine stages are timed after the rows (in process: `POST /bench/stages`).
 STAGE_RUNS = (("walk", 16), ("ticket", 32))
@@ -805,7 +803,7 @@ def stages_table(runs: list[dict[str, Any]]) -> list[str]:
                              stage["calls"], fmt(stage["ms_a_call"], 1), fmt(stage["rows_a_call"], 1),
                              fmt(stage["share"] * 100, 0) + " %"])
     return ["where the engine's time goes, in process with every stage timed between device syncs (stages nest: "
-            "read_steps holds the rest, encode_many the vision and encoder stages; share = of the run's seconds):", "",
+            "flat.step, an engine turn, holds the rest; share = of the run's seconds):", "",
             markdown_table(["loop", "stage", "calls", "ms a call", "rows a call", "share"], rows), ""]
 
 
@@ -941,7 +939,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {
         "machine": info, "model": "tiny config" if args.tiny else "DiffusionGemma 26B-A4B architecture, random bf16",
         "args": vars(args),
-        "settings": {"flat_turn": settings.hf.flat_turn, "torch_compile": settings.hf.torch_compile,
+        "settings": {"torch_compile": settings.hf.torch_compile, "turn_tokens": settings.hf.turn_tokens,
                      "fused_moe": settings.hf.fused_moe, "cuda_graphs": settings.hf.cuda_graphs,
                      "batch_gather_ms": settings.hf.batch_gather_ms,
                      "max_sessions": settings.limits.max_sessions, "max_inflight": settings.limits.max_inflight},
@@ -969,7 +967,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["compile_counts_at_ready"] = compile_report(server.url, api_key)
         for line in compile_report_lines(results["compile_counts_at_ready"], "the server at ready"):
             print(f"  {line}", flush=True)
-        measure(args, server, pool, results, deadline, api_key, settings.hf.flat_turn)
+        measure(args, server, pool, results, deadline, api_key)
         if args.stages:
             time_stages(args, server, results, after_rows, api_key)
         end_report(server, results)

@@ -6,8 +6,8 @@ memory-efficient kernel 1.955 on the H200) is why the tower's attention takes cu
 move (22.4 ms against 23.0 before, docs/benchmarks.md). This probe times the pass the engine runs
 (app/engine/hf/graphs/vision.py `VisionGraphs`: the model's own modules, a real walk frame's patch
 layout, the tower's padding mask) at 1, 4 and 8 frames, for each kernel order, with the layers
-eager and then compiled as the server compiles them (app/engine/hf/compiled.py), as CUDA graphs on
-CUDA; and lists the attention operators and kernels the profiler saw in one 8-frame pass, so a
+eager and then compiled as the server compiles them (app/engine/hf/compiled.py `compile_vision`), as
+CUDA graphs on CUDA; and lists the attention operators and kernels the profiler saw in one 8-frame pass, so a
 kernel that the compiled trace chose differently from the context's order shows by name.
 
     python bench/probe_gpu_vision.py --out "$OUT/probe_vision.json"      # on CUDA (random bf16 weights)
@@ -105,9 +105,9 @@ def main() -> int:
     if args.compile:
         import torch._dynamo as dynamo
 
-        from app.engine.hf.compiled import compile_layers
+        from app.engine.hf.compiled import compile_vision
 
-        compile_layers(model)
+        compile_vision(model)  # the vision layers as TORCH_COMPILE compiles them
         for order in KERNELS_FIRST:
             dynamo.reset()  # each order traced afresh: a trace keeps the kernel it chose
             rows.append(probe(model, inputs, device, "compiled", order, graphed, args.repeats))

@@ -665,28 +665,24 @@ async def run_inprocess(services: Any, spec: dict[str, Any]) -> dict[str, Any]:
     return tally.as_dict()
 
 
-# The hf runner's stages the stage timer times (each call's wall time between two device syncs).
-# The hf runner's stages, by the path of each timed method from the runner: the row path's, or with
-# FLAT_TURN=1 the flat turn's (a turn's step; in it, the programs' preparation with the vision tower,
-# the one forward, its attention by segment; then the slot reads).
-ROW_STAGES = ("read_steps", "encode_many", "image_features", "_encode_embeds", "_encode_over_prefixes",
-              "_over_image_prefixes", "decoder_hidden", "_slot_reads")
-FLAT_STAGES = ("flat.step", "image_features", "flat.turn.forward", "flat.attention.attend", "slot_reads_at")
+# The hf runner's stages the stage timer times (each call's wall time between two device syncs), by
+# the path of each timed method from the runner: an engine turn's step; in it, the vision tower over
+# the turn's new images, the one forward, its attention by segment; then the slot reads.
+STAGES = ("flat.step", "images.image_features", "flat.turn.forward", "flat.attention.attend", "slot_reads_at")
 
 
 class StageTimer:
     """Times the hf runner's stages while it is installed: each wrapped method synchronises the device
     before and after, so a stage's milliseconds are its device time (and the wrapped run is slower by
-    the syncs: the stage shares are what it is for, not the rate). `read_steps` (a generator) is timed
-    over its whole life: a turn's, or a heavy read's, time. The stages are the row path's or the flat
-    turn's, as the runner runs (`names`): never a stage that no longer runs."""
+    the syncs: the stage shares are what it is for, not the rate). The stages nest: `flat.step` (an
+    engine turn) holds the others."""
 
     def __init__(self, runner: Any) -> None:
         from bench.common import device_sync
 
         self.runner = runner
         self.sync = device_sync(runner.device)
-        self.names = FLAT_STAGES if getattr(runner, "flat", None) is not None else ROW_STAGES
+        self.names = STAGES
         self.ms: dict[str, float] = {name: 0.0 for name in self.names}
         self.calls: dict[str, int] = {name: 0 for name in self.names}
         self.rows: dict[str, int] = {name: 0 for name in self.names}
@@ -728,17 +724,7 @@ class StageTimer:
                 self.calls[name] += 1
                 self.rows[name] += len(args[0]) if args and hasattr(args[0], "__len__") else 0
 
-        def timed_steps(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return (yield from method(*args, **kwargs))
-            finally:
-                self.sync()
-                self.ms[name] += (time.perf_counter() - started) * 1000
-                self.calls[name] += 1
-                self.rows[name] += len(args[0]) if args else 0
-
-        return timed_steps if name == "read_steps" else timed
+        return timed
 
     def summary(self, seconds: float) -> dict[str, Any]:
         return {name: {"calls": self.calls[name], "ms": round(self.ms[name], 1),

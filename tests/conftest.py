@@ -17,9 +17,9 @@ from tests.fakes import ScriptedReader
 
 # The defaults as the server has them (Settings is the one place they are defined).
 LIMITS = build.limits(Settings())
-# How far two reads of the same request may differ on the tiny model: the row path reads a repeated
-# request in a pass of the same shape (bitwise the same); the flat turn reads it in a turn of another
-# shape (its prompt then comes from the KV store), which moves float32 results by ~1e-6.
+# How far two reads of the same request may differ on the tiny model: the flat turn reads a repeated
+# request in a turn of another shape (its prompt then comes from the KV store, and other work may share
+# the turn), which moves float32 results by ~1e-6; so repeats are equal within 1e-5, not bitwise.
 REPEAT_TOLERANCE = 1e-5
 
 
@@ -46,13 +46,6 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_tiny_reader(tiny_dir: Path, **settings):
     """A fresh reader on the tiny checkpoint: a reader belongs to one event loop (one app)."""
     return load_hf_reader(tiny_dir, hf_options(Settings.of(device="cpu", **settings), TINY_MODEL_NAME, tiny=True))
-
-
-@pytest.fixture(scope="module")
-def eager_runner(tiny_dir: Path):
-    """The tiny model's runner on the row path as the CPU server has it: no encoder graphs, every prompt
-    encoded eagerly (what the graph and prefix paths are checked against)."""
-    return make_tiny_reader(tiny_dir, flat_turn=False).runner
 
 
 @pytest.fixture

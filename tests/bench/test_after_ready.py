@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
@@ -65,7 +64,8 @@ def test_the_compile_counts_are_named_and_said():
 
 
 def test_the_bench_server_says_the_readers_compile_counts():
-    runner = SimpleNamespace(graphs=None, encoder_graphs=SimpleNamespace(captures=5), vision_graphs=None, flat=None)
+    runner = SimpleNamespace(images=SimpleNamespace(graphs=None),
+                             flat=SimpleNamespace(forward=SimpleNamespace(graphs=SimpleNamespace(captures=5))))
     reader = SimpleNamespace(runner=runner, stats={"captures_after_ready": 0, "recompiles_after_ready": 0,
                                                    "triton_compiles_after_ready": 0})
     app = Starlette(routes=bench_routes())
@@ -81,17 +81,16 @@ def test_the_bench_server_says_the_readers_compile_counts():
 # ---------------------------------------------------------------------------------------- KV blocks
 
 
-def test_the_blocks_in_use_come_from_the_gauge_on_the_flat_turn_and_are_none_elsewhere():
+def test_the_blocks_in_use_come_from_the_hf_engines_gauge_and_are_none_elsewhere():
     assert engine_of({HF: 1.0}) == "hf"
-    assert kv_blocks_used({HF: 1.0, KV_GAUGE: 7.0}, flat_turn=True) == (7.0, "")
-    assert kv_blocks_used({HF: 1.0, "djev_hf_flat_turn_count_total": 0.0}, flat_turn=True) == (0.0, "")  # no turn yet
-    used, why = kv_blocks_used({HF: 1.0, "djev_hf_flat_turn_count_total": 4.0}, flat_turn=True)
+    assert kv_blocks_used({HF: 1.0, KV_GAUGE: 7.0}) == (7.0, "")
+    assert kv_blocks_used({HF: 1.0, "djev_hf_flat_turn_count_total": 0.0}) == (0.0, "")  # no turn yet
+    assert kv_blocks_used({HF: 1.0}) == (0.0, "")  # (nor the turns' count: none exported yet)
+    used, why = kv_blocks_used({HF: 1.0, "djev_hf_flat_turn_count_total": 4.0})
     assert used is None and "missing" in why
-    used, why = kv_blocks_used({HF: 1.0}, flat_turn=False)
-    assert used is None and "row path" in why
-    used, why = kv_blocks_used({'djev_info{engine="vllm"}': 1.0}, flat_turn=True)
+    used, why = kv_blocks_used({'djev_info{engine="vllm"}': 1.0})
     assert used is None and "vllm" in why
-    assert kv_blocks_used({}, flat_turn=True) == (None, "/metrics did not answer")
+    assert kv_blocks_used({}) == (None, "/metrics did not answer")
 
 
 def scripted_metrics(monkeypatch, readings: list[dict[str, float]]) -> list[dict[str, float]]:
@@ -106,8 +105,8 @@ def scripted_metrics(monkeypatch, readings: list[dict[str, float]]) -> list[dict
     return seen
 
 
-def check(notes: list[str], flat_turn: bool = True) -> BlocksCheck:
-    return BlocksCheck(SimpleNamespace(url="http://127.0.0.1:1"), flat_turn, notes, settle_s=1.0)  # type: ignore[arg-type]
+def check(notes: list[str]) -> BlocksCheck:
+    return BlocksCheck(SimpleNamespace(url="http://127.0.0.1:1"), notes, settle_s=1.0)  # type: ignore[arg-type]
 
 
 def test_the_resting_count_is_read_once_the_server_is_idle(monkeypatch):
@@ -141,23 +140,20 @@ def test_a_row_that_leaves_work_running_says_so_beside_its_blocks(monkeypatch):
 
 
 def test_without_a_gauge_the_rows_record_none_and_it_is_said_once(monkeypatch, capsys):
-    scripted_metrics(monkeypatch, [{HF: 1.0}])
+    scripted_metrics(monkeypatch, [{'djev_info{engine="vllm"}': 1.0}])
     notes: list[str] = []
-    blocks = check(notes, flat_turn=False)
+    blocks = check(notes)
     for _ in range(3):
         resting = blocks.resting()
         assert blocks.settled("a row", resting) == {"blocks_used_before": None, "blocks_used_after": None}
-    assert len(notes) == 1 and "row path" in notes[0] and "None" in notes[0]
+    assert len(notes) == 1 and "vllm" in notes[0] and "None" in notes[0]
     assert capsys.readouterr().out.count("KV blocks not checked") == 1
 
 
-@pytest.mark.parametrize("flat_before", [True, False])
-def test_before_the_first_flat_turn_the_store_rests_at_zero(monkeypatch, flat_before):
+def test_before_the_first_engine_turn_the_store_rests_at_zero(monkeypatch):
     first = {HF: 1.0, "djev_hf_flat_turn_count_total": 0.0}
     scripted_metrics(monkeypatch, [first, {HF: 1.0, KV_GAUGE: 0.0, "djev_hf_flat_turn_count_total": 3.0}])
-    blocks = check([], flat_turn=flat_before)
+    blocks = check([])
     resting = blocks.resting()
-    assert resting == (0.0 if flat_before else None)
-    expected = {"blocks_used_before": 0.0, "blocks_used_after": 0.0} if flat_before else {
-        "blocks_used_before": None, "blocks_used_after": None}
-    assert blocks.settled("row (a)", resting) == expected
+    assert resting == 0.0
+    assert blocks.settled("row (a)", resting) == {"blocks_used_before": 0.0, "blocks_used_after": 0.0}

@@ -72,8 +72,8 @@ def test_the_heavy_timeout_defaults_to_120_s_on_every_device():
 
 
 def test_the_heavy_timeout_is_never_cut_by_the_deadline_the_run_waits_past_it_instead():
-    """An A/B of the row path and the flat turn waits alike: the run may go past --deadline by row
-    (f)'s wait (with the clients' grace), and only where row (f) runs."""
+    """An A/B of two settings waits alike: the run may go past --deadline by row (f)'s wait (with the
+    clients' grace), and only where row (f) runs."""
     from bench import bench_gpu_served
 
     args = parse_args(["--tiny", "--device", "cpu", "--deadline", "30", "--heavy-timeout", "120"])

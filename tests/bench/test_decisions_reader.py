@@ -5,6 +5,7 @@ experts and compiles the layers in place)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -20,10 +21,13 @@ def settings_of(*flags: str) -> Settings:
 def test_the_flags_are_settings():
     plain = settings_of()
     assert (plain.hf.torch_compile, plain.hf.fused_moe, plain.hf.cuda_graphs) == (False, False, True)
-    assert plain.hf.flat_turn == Settings.of().hf.flat_turn and plain.runtime.device == "cpu"  # the server's default
-    given = settings_of("--compile", "--fused-moe", "--eager", "--flat-turn")
-    assert (given.hf.torch_compile, given.hf.fused_moe, given.hf.cuda_graphs, given.hf.flat_turn) == (True, True, False, True)
-    assert settings_of("--no-flat-turn").hf.flat_turn is False
+    assert plain.hf == dataclasses.replace(Settings.of().hf, torch_compile=False, fused_moe=False)  # else the server's
+    assert plain.runtime.device == "cpu"
+    given = settings_of("--compile", "--fused-moe", "--eager")
+    assert (given.hf.torch_compile, given.hf.fused_moe, given.hf.cuda_graphs) == (True, True, False)
+    for gone in ("--flat-turn", "--no-flat-turn", "--unshared-levels", "--eager-tokens"):  # the row path's
+        with pytest.raises(SystemExit):
+            settings_of(gone, "1")
 
 
 class Built(Exception):
@@ -58,9 +62,9 @@ def test_the_naive_baseline_runs_on_the_model_before_hf_reader_changes_it(monkey
 def test_the_reader_is_hf_readers_and_reports_what_it_built(capsys):
     from app.engine.hf.reader import HFReader
 
-    args = parse_args(["--tiny", "--device", "cpu", "--flat-turn"])
+    args = parse_args(["--tiny", "--device", "cpu"])
     reader, settings = bench_gpu_decisions.build_reader(args, *bench_gpu_decisions.random_weights(args))
-    assert isinstance(reader, HFReader) and reader.runner.flat is not None and settings.hf.flat_turn
+    assert isinstance(reader, HFReader) and settings.runtime.device == "cpu"
     results: dict = {}
 
     async def run() -> None:

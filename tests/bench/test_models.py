@@ -141,8 +141,8 @@ def test_with_the_same_weights_the_reads_are_a_normal_builds(config, normal):
     reads = [specs.read(), specs.read(canvases=3), Specs(int(config.text_config.vocab_size), 200, seed=1).read()]
 
     def read_all(model):
-        runner = DiffusionRunner(model, None, device=torch.device("cpu"), max_prompt_tokens=4096, kv_entries=0,
-                                 max_rows=16)
+        runner = DiffusionRunner(model, None, device=torch.device("cpu"), max_prompt_tokens=4096, max_rows=16,
+                                 turn_tokens=2048)
         return runner.read(reads)
 
     want, got = read_all(normal), read_all(same)

@@ -1,7 +1,7 @@
 """bench/check_gpu_numerics.py on the tiny model on the CPU: every check runs, its command line is
 the GPU one's, and it holds one runner at a time (each built, read, dropped and its memory freed
-before the next), which is what lets the 30-layer model's checks fit an 80 GB card beside the flat
-turn's preallocated KV store."""
+before the next), which is what lets the 30-layer model's checks fit an 80 GB card beside each
+runner's preallocated KV store."""
 
 from __future__ import annotations
 
@@ -15,14 +15,29 @@ from bench import check_gpu_numerics
 
 
 def test_the_command_line_takes_sizes_and_flags_in_any_order():
-    args = check_gpu_numerics.parse_args(["6:float32", "--flat-turn", "30:bfloat16", "--split", "--device", "cuda"])
-    assert args.sizes == [(6, torch.float32), (30, torch.bfloat16)] and args.flat_turn and args.split
-    assert not args.fused_moe and args.device == torch.device("cuda")
+    args = check_gpu_numerics.parse_args(["6:float32", "--fused-moe", "30:bfloat16", "--device", "cuda"])
+    assert args.sizes == [(6, torch.float32), (30, torch.bfloat16)] and args.fused_moe
+    assert args.device == torch.device("cuda") and not args.tiny
     assert [size for size, _ in check_gpu_numerics.parse_args(["--device", "cuda"]).sizes] == [6, 6, 30]
     for bad in (["6-float32", "--device", "cuda"], ["6:float99", "--device", "cuda"], ["--device", "cpu"],
-                ["--tiny", "--device", "cpu", "--fused-moe"]):
+                ["--tiny", "--device", "cpu", "--fused-moe"], ["--flat-turn", "--device", "cuda"]):
         with pytest.raises(SystemExit):
             check_gpu_numerics.parse_args(bad)
+
+
+def test_the_reads_are_text_of_every_length_four_draws_an_image_and_two_steps():
+    from app.engine.tiny import build_config, build_tokenizer
+
+    config = build_config(build_tokenizer())
+    reads, names = check_gpu_numerics.make_reads(int(config.text_config.vocab_size), int(config.image_token_id),
+                                                 b"frame")
+    assert len(reads) == len(names) == 7
+    lengths = [len(spec.prompt.ids) for spec in reads if not spec.prompt.images]
+    assert min(lengths) == 40 and max(lengths) == 1500
+    assert any(len(spec.canvases) == 4 for spec in reads)
+    (image,) = [spec for spec in reads if spec.prompt.images]
+    assert image.prompt.ids[-1] == config.image_token_id
+    assert [spec.steps for spec in reads].count(2) == 1
 
 
 @pytest.mark.timeout(300)
@@ -52,13 +67,21 @@ def test_every_check_runs_with_one_runner_alive_at_a_time(monkeypatch, capsys):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model gains nothing from more; on a busy 2-core box they cost 10x
     try:
-        check_gpu_numerics.main(["--tiny", "--device", "cpu", "--flat-turn"])
+        check_gpu_numerics.main(["--tiny", "--device", "cpu"])
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
-    assert built[0] >= 14  # the row path's 7, the prefix check's 6, the flat turn's 2 (one builds twice over)
+    assert built[0] == 4  # eager alone (and transformers' reads), eager shared, pieces alone, pieces shared
     assert most[0] == 1, f"{most[0]} runners were alive at once"
     assert freed and max(freed) == 0  # every release left no runner behind
-    for line in ("batched vs alone", "encoder static vs alone", "graph replay vs both static", "static vs whole",
-                 "vision static vs library", "flat turn alone vs row path alone", "flat graphs batched vs eager"):
-        assert line in out, line
+    lines = {line.split("[")[0].strip(): line for line in out.splitlines() if "top label" in line}
+    assert set(lines) == {"(1) shared turn vs alone, eager", "(2) pieces vs eager, alone",
+                          "(2) pieces vs eager, shared turn", "(4) transformers vs alone, eager"}, out
+    for line in lines.values():  # float32: every read agrees, to its top label
+        largest = [float(d) for d in line.split("[")[1].split("]")[0].split(",")]
+        assert len(largest) == 6 and max(largest) < 2e-3, line  # 300, 300 x4, 40, 200, image, 2 steps
+        agree, total = line.split("top label ")[1].split()[0].split("/")
+        assert agree == total, line
+    assert "2 turns shared" in lines["(1) shared turn vs alone, eager"]  # one turn, and the two-step's second
+    assert "as uncaptured pieces, 0 eager fallbacks" in lines["(2) pieces vs eager, shared turn"]
+    assert "vision static vs library" in out

@@ -39,14 +39,25 @@ def test_bench_gpu_tiny_runs(tmp_path):
                        out=tmp_path)
     data = json.loads((tmp_path / "bench_gpu.json").read_text())
     assert data and "|" in result["stdout"]  # a markdown table was printed
+    cases = {case["case"]: case for case in data["cases"]}
+    assert len(cases) == 6 and all(case["turns_per_call"] >= 1 for case in cases.values())
+    # A new prompt is written whole every call; a repeated one comes from the KV store (its last partial block again).
+    assert cases["(a) one read, new prompt [eager]"]["prompt_tokens_per_call"] == 300
+    assert cases["(b) one read, prompt KV cached [eager]"]["prompt_tokens_per_call"] < 16
+    assert data["readers"]["eager"]["at_end"] == data["readers"]["eager"]["at_ready"]  # nothing built by the cases
 
 
 @pytest.mark.timeout(600)
 def test_bench_gpu_decisions_tiny_runs(tmp_path):
-    result = run_bench("bench_gpu_decisions.py", "--no-flat-turn", "--seconds", "1", "--reps", "2", "--no-grids",
-                       "--out", str(tmp_path / "bench_gpu_decisions.json"), out=tmp_path)
+    result = run_bench("bench_gpu_decisions.py", "--seconds", "1", "--reps", "2", "--no-grids", "--levels", "1,4",
+                       "--think", "16", "--think-reps", "1", "--out", str(tmp_path / "bench_gpu_decisions.json"),
+                       out=tmp_path)
     data = json.loads((tmp_path / "bench_gpu_decisions.json").read_text())
-    assert data and "|" in result["stdout"] and data["flat_turn"] is False
+    assert data and "|" in result["stdout"] and data["unique"]["p50_ms"] > 0
+    assert data["settings"]["turn_tokens"] == 2048 and data["cuda_graphs"] is None  # the CPU's budget, no graphs
+    # Each level's engine turns, timed in the reader's loop.
+    assert all(point["timeline"]["turns"] > 0 and point["prompt_tokens_per_request"] > 0 for point in data["curve"])
+    assert "engine turns at each level" in result["stdout"]
     # The reader djev serve builds (hf_reader), what it built by ready, and nothing after.
     assert set(data["compile_counts_at_ready"]) == {"cuda_graphs_captured", "torch_compile_graphs",
                                                     "triton_kernels_compiled"}
@@ -54,14 +65,14 @@ def test_bench_gpu_decisions_tiny_runs(tmp_path):
     assert data["after_ready"] == NOTHING_AFTER_READY and said_nothing_built_after_ready(result["stdout"])
 
 
-@pytest.mark.timeout(600)
-def test_bench_gpu_decisions_tiny_runs_on_the_flat_turn(tmp_path):
-    result = run_bench("bench_gpu_decisions.py", "--flat-turn", "--seconds", "1", "--reps", "2", "--no-grids",
-                       "--levels", "1", "--no-naive", "--out", str(tmp_path / "flat.json"), out=tmp_path)
-    data = json.loads((tmp_path / "flat.json").read_text())
-    assert data["unique"]["p50_ms"] > 0 and "the flat turn" in result["stdout"] and data["flat_turn"] is True
-    assert data["settings"]["flat_turn"] is True and data["compile_counts_at_ready"]["cuda_graphs_captured"] == 0
-    assert data["after_ready"] == NOTHING_AFTER_READY and said_nothing_built_after_ready(result["stdout"])
+@pytest.mark.timeout(300)
+def test_bench_gpu_decisions_turnaround_answers_every_read_at_once(tmp_path):
+    run_bench("bench_gpu_decisions.py", "--turnaround", "--levels", "1,2", "--seconds", "1", out=tmp_path)
+    points = json.loads((tmp_path / "bench_gpu_decisions.json").read_text())["turnaround"]
+    assert [point["clients"] for point in points] == [1, 2]
+    for point in points:  # every level's turns answered at once: no prompt ever written
+        assert point["requests"] > 0 and point["ms_a_decision"] > 0 and point["timeline"]["turns"] > 0
+        assert point["prompt_tokens_per_request"] == 0
 
 
 @pytest.mark.timeout(300)
@@ -70,8 +81,7 @@ def test_bench_gpu_served_tiny_runs(tmp_path):
 
     result = run_bench("bench_gpu_served.py", "--seconds", "1", "--workers", "4", "--sheet-clients", "2",
                        "--ticket-clients", "2", "--walk-clients", "2", "--closed-cameras", "1", "--open-cameras", "1,2",
-                       "--heavy-tokens", "1000", "--heavy-timeout", "20", "--deadline", "150", "--restart", out=tmp_path,
-                       env={"FLAT_TURN": "0"})
+                       "--heavy-tokens", "1000", "--heavy-timeout", "20", "--deadline", "150", "--restart", out=tmp_path)
     data = json.loads((tmp_path / "bench_gpu_served.json").read_text())
     assert [row["row"] for row in data["rows"]] == ["a", "b", "c", "d", "e", "e", "f"], data["notes"]
     assert data["startup"]["ready_s"] > 0 and data["restart"]["ready_s"] > 0
@@ -82,12 +92,13 @@ def test_bench_gpu_served_tiny_runs(tmp_path):
     assert (tmp_path / "bench_gpu_served.md").read_text().count("|") > 20
     assert "| (b) one sheet (the ticket) | 2 |" in result["stdout"]
     assert Image.open(tmp_path / "camera_curve.png").format == "PNG"
-    # What the server built by ready, nothing after; the row path keeps no KV blocks: None, said once.
+    # What the server built by ready, nothing after; each row's KV blocks in use read before and after it.
     assert data["compile_counts_at_ready"]["counts"]["cuda_graphs_captured"] == 0
     assert "the server at ready: 0 CUDA graphs captured" in result["stdout"]
     assert data["after_ready"] == NOTHING_AFTER_READY and said_nothing_built_after_ready(result["stdout"])
-    assert all(row["blocks_used_before"] is None and row["blocks_used_after"] is None for row in data["rows"])
-    assert sum("KV blocks not checked: the row path" in note for note in data["notes"]) == 1
+    assert all(row["blocks_used_before"] is not None and row["blocks_used_after"] is not None for row in data["rows"])
+    assert not any("KV blocks not checked" in note for note in data["notes"])
+    assert data["settings"]["turn_tokens"] == 0  # the server's: by the device
     assert data["rows"][-1]["heavy_timeout_s"] == 20.0  # --heavy-timeout as given, never cut by --deadline
     # Nothing left behind: the server's process group and the client processes are gone.
     with pytest.raises(ProcessLookupError):
@@ -97,12 +108,12 @@ def test_bench_gpu_served_tiny_runs(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_bench_gpu_served_on_the_flat_turn_gives_every_rows_kv_blocks_back(tmp_path):
+def test_bench_gpu_served_gives_every_rows_kv_blocks_back(tmp_path):
     result = run_bench("bench_gpu_served.py", "--seconds", "1", "--workers", "2", "--rows", "b,c,f",
                        "--ticket-clients", "2", "--walk-clients", "2", "--heavy-tokens", "1000", "--heavy-timeout", "20",
-                       "--no-stages", "--deadline", "120", out=tmp_path, env={"FLAT_TURN": "1"})
+                       "--no-stages", "--deadline", "120", out=tmp_path)
     data = json.loads((tmp_path / "bench_gpu_served.json").read_text())
-    assert data["settings"]["flat_turn"] is True and [row["row"] for row in data["rows"]] == ["b", "c", "f"], data["notes"]
+    assert [row["row"] for row in data["rows"]] == ["b", "c", "f"], data["notes"]
     for row in data["rows"]:  # read before each row, idle; back to it after
         assert row["blocks_used_before"] is not None and row["blocks_used_after"] is not None, row["row"]
         assert row["blocks_used_after"] <= row["blocks_used_before"], (row["row"], data["notes"])
@@ -159,6 +170,20 @@ def test_probe_gpu_vision_tiny_runs(tmp_path):
     assert all(row["attention_seen"] for row in data["rows"])  # the profiler named the attention it ran
     assert data["real_patches"] > 0 and not data["graphed"]
     assert "| compiled | cudnn |" in result["stdout"]
+
+
+@pytest.mark.timeout(300)
+def test_profile_gpu_tiny_runs(tmp_path):
+    result = run_bench("profile_gpu.py", "--states", "4", "--frames", "2", "--top", "5", out=tmp_path)
+    turns = json.loads((tmp_path / "profile_gpu.json").read_text())["turns"]
+    assert list(turns) == ["the ticket, 4 new states", "walk frames, 2 new"]
+    for turn in turns.values():
+        assert turn["reads"] == turn["of_reads"] and turn["prompt_tokens"] > 0 and turn["canvases"] == turn["reads"]
+        assert set(turn["families"]) == {"experts", "dense matmuls", "attention", "norms", "copies", "other"}
+        assert turn["families"]["attention"]["ms"] > 0 and turn["families"]["dense matmuls"]["ms"] > 0
+        assert abs(sum(family["ms"] for family in turn["families"].values()) - turn["total_ms"]) < 0.1
+        assert len(turn["top"]) == 5
+    assert "| op family |" in result["stdout"]
 
 
 @pytest.mark.timeout(300)

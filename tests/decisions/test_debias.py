@@ -558,9 +558,8 @@ def test_canonical_mirrors_a_reversed_scale_on_the_tiny_model(tiny_reader):
     levels = ["mild", "annoyed", "angry", "furious"]  # ["furious", "angry", "annoyed", "mild"] sorts first
     (sent, _), (reversed_, _) = run_on(tiny_reader, [one_score(levels, debias="canonical"),
                                                      one_score(levels[::-1], debias="canonical")])
-    # Both read one sheet, the second from the KV store: the row path in a pass of the same shape (1e-6),
-    # the flat turn in a turn of another (REPEAT_TOLERANCE).
-    mirrored(sent.answers["s"], reversed_.answers["s"], 4, 1e-6 if tiny_reader.runner.flat is None else REPEAT_TOLERANCE)
+    # Both read one sheet, the second from the KV store, in a turn of another shape (REPEAT_TOLERANCE).
+    mirrored(sent.answers["s"], reversed_.answers["s"], 4, REPEAT_TOLERANCE)
     assert sent.diagnostics["debias"]["reversed_scales"] == ["s"]
     assert reversed_.diagnostics["debias"]["reversed_scales"] == []
     assert tiny_reader.stats["kv_misses"] == 1  # one sheet: both read the same prompt

@@ -1,9 +1,9 @@
-"""The model's layers compiled with torch.compile (TORCH_COMPILE), under the CUDA graphs.
+"""torch.compile (TORCH_COMPILE) where the flat turn does not compile it itself, and the start-up
+warm-up that makes every compile and Triton kernel happen before `ready`.
 
-What is compiled: each text layer's two pieces around the attention (app/engine/hf/layers.py), one
-compiled body per piece, layer kind and shape, and the vision tower's encoder layers, one body for
-all of them; the embeddings and the masks stay eager. The graphs capture the compiled kernels as
-they captured the eager ones. Why, and why not whole layers: docs/design.md §4.7 and §5.2.
+The flat forward compiles its two layer bodies itself (`FlatForward.compile`); here the vision tower's
+encoder layers get one compiled body for all of them. `warm_up` runs a few reads of every kind through
+the runner before the graphs are captured. Why, and why not whole layers: docs/design.md §4.7 and §5.2.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
 
     from app.engine.base import Prompt, ReadSpec
-    from app.engine.hf.layers import TextLayer
     from app.engine.hf.runner import DiffusionRunner
 
 log = logging.getLogger("djev.engine")
@@ -24,13 +23,6 @@ log = logging.getLogger("djev.engine")
 # Compiled variants torch keeps per piece before it runs that piece eagerly: (static, dynamic) x
 # two layer kinds x a few input layouts stays well inside it.
 RECOMPILE_LIMIT = 64
-
-
-def model_layers(model: DiffusionGemmaForBlockDiffusion) -> list[TextLayer]:
-    """The prompt encoder's and the decoder's layers of a DiffusionGemma model."""
-    from app.engine.hf.parts import decoder_layers, encoder_layers
-
-    return [*encoder_layers(model), *decoder_layers(model)]
 
 
 def vision_layers(model: DiffusionGemmaForBlockDiffusion) -> list[nn.Module]:
@@ -53,32 +45,22 @@ def configure_thread() -> None:
     config.suppress_errors = True
 
 
-def compile_layers(model: DiffusionGemmaForBlockDiffusion, backend: str = "inductor", *, text: bool = True) -> int:
-    """Give every text layer the split forward with its two pieces compiled (app/engine/hf/layers.py),
-    and every vision encoder layer its forward compiled; returns how many text layers (0 with `text`
-    False: the flat turn, whose forward runs the layers' pieces itself, compiles the vision layers
-    alone). Configures the calling thread (`configure_thread`); other threads that run the model must
-    configure themselves."""
+def compile_vision(model: DiffusionGemmaForBlockDiffusion, backend: str = "inductor") -> int:
+    """Give every vision encoder layer its forward compiled (one body for all of them); returns how many.
+    Configures the calling thread (`configure_thread`); other threads that run the model must configure
+    themselves."""
     import functools
 
     import torch
 
-    from app.engine.hf.layers import install, install_vision
+    from app.engine.hf.layers import install_vision
 
     configure_thread()
-    layers = model_layers(model) if text else []
-    compiled = functools.partial(torch.compile, backend=backend, dynamic=None)
-    if layers:
-        install(layers, compile=compiled)
     vision = vision_layers(model)
-    install_vision(vision, compile=compiled)
-    if layers:
-        log.info("torch.compile (%s) on the %d text layers' attention inputs and feed-forward halves and the %d "
-                 "vision layers: each new shape compiles on first use", backend, len(layers), len(vision))
-    else:
-        log.info("torch.compile (%s) on the %d vision layers (the flat turn compiles its own layer bodies)", backend,
-                 len(vision))
-    return len(layers)
+    install_vision(vision, compile=functools.partial(torch.compile, backend=backend, dynamic=None))
+    log.info("torch.compile (%s) on the %d vision layers (the flat forward compiles its own layer bodies)", backend,
+             len(vision))
+    return len(vision)
 
 
 # The warm-up's batch sizes: the first read compiles each piece for its shapes, the second once more
@@ -89,13 +71,11 @@ WARM_UP_CANVASES = 4
 
 
 def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
-    """Compile before the first request does: one text read at each of WARM_UP_ROWS batch sizes, through the runner's
-    own path, CUDA graphs included, one long prompt encoded in chunks (their shapes compile here, not
-    on the first long state: 6.3 s on an H200, measured), one read of an image when the runner reads images (the
-    vision layers compile there, not on a walker's first frame), and a two-step read of several canvases (the eager
-    self-conditioned decoder pass). Returns the seconds it took (about
-    50 s on an H200, measured); the prompt KV and vision features these reads leave in the LRUs are
-    dropped."""
+    """Compile before the first request does: a text read at each of WARM_UP_ROWS batch sizes through
+    the runner's own turns, a long prompt read in chunks, a read of an image when the runner reads
+    images (the vision layers compile there, not on a walker's first frame), and a two-step read of
+    several canvases (a self-conditioned turn). Returns the seconds it took; the image features these
+    reads leave in the LRU are dropped, and the counters start again at zero."""
     import time
 
     started = time.perf_counter()
@@ -117,15 +97,12 @@ def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
         timed("a long prompt", [_read_of(runner, tuple(base + i % 997 for i in range(2 * chunk + 64)), width)])
     if getattr(runner, "image_processor", None) is not None and vision_layers(runner.model):
         timed("an image", [_read_of(runner, sample_image_prompt(runner), width)])
-    # A multi-step read of several canvases: its second step is the eager self-conditioned decoder
-    # pass (the conditioned graphs hold one row), a path none of the reads above takes. (The one
-    # turn of 1.6-2.3 s such a pass took beside the served bench's heavy burst was not a first use:
-    # it came back with its exact shape warmed here, and went with a shorter interpreter switch
-    # interval, SWITCH_INTERVAL_MS; docs/design.md §5.2.)
+    # A multi-step read of several canvases: its second step reads a self-conditioning signal, a path
+    # none of the reads above takes.
     timed("a multi-step read", [_read_of(runner, tuple(range(base, base + 64)), width, canvases=WARM_UP_CANVASES,
                                          steps=2)])
     log.info("the warm-up's reads: %s", ", ".join(f"{part} {seconds:.1f} s" for part, seconds in parts.items()))
-    runner.clear_caches()
+    runner.images.features.clear()
     runner.stats.clear()  # the counters (and /metrics) start at the first request
     return time.perf_counter() - started
 
@@ -136,7 +113,7 @@ def sample_image_prompt(runner: DiffusionRunner) -> Prompt:
     from app.engine.base import ImageInput, Prompt
 
     base = _text_base(runner)
-    image_id = runner.config.image_token_id
+    image_id = runner.model.config.image_token_id
     assert image_id is not None  # a model with an image processor and a vision tower has an image token
     return Prompt((*range(base, base + 32), int(image_id)), (ImageInput(_grey_jpeg(), "image/jpeg", "warm-up"),))
 

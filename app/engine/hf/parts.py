@@ -8,8 +8,7 @@ give them typed, and checked: TypeError for a model not built that way.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from torch import nn
 
@@ -61,36 +60,3 @@ def layer_types(model: DiffusionGemmaForBlockDiffusion) -> list[str]:
     if types is None:
         raise TypeError("the model's text config has no layer types")
     return list(types)
-
-
-def pattern_length(types: Sequence[str]) -> int:
-    """How many layers from the first hold one layer of every attention type: 6 for DiffusionGemma's
-    five sliding layers and a full one."""
-    return 1 + max(types.index(kind) for kind in set(types))
-
-
-@contextmanager
-def first_layers(stack: nn.Module, count: int) -> Iterator[None]:
-    """`stack` (a text model: its forward runs `stack.layers`) runs only its first `count` layers
-    inside the block, its own layer objects, each at its own index; the whole stack again after.
-
-    For a capture's run before recording (app/engine/hf/graphs/cache.py `capture`): what a shape's
-    first pass must do (its compiled pieces' first call at that shape, which may compile) happens
-    in the first layer of each type, since every layer of a type calls the same compiled pieces."""
-    layers = stack.layers
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"expected the stack's layers as a ModuleList, got {type(layers).__name__}")
-    stack.layers = nn.ModuleList(list(layers)[:count])
-    try:
-        yield
-    finally:
-        stack.layers = layers
-
-
-def through_first_layers(stack: nn.Module, count: int, forward: Callable[[], object]) -> Callable[[], None]:
-    """`forward` as a call that runs it through `stack`'s first `count` layers only (`first_layers`):
-    the text graphs' run before recording."""
-    def run() -> None:
-        with first_layers(stack, count):
-            forward()
-    return run

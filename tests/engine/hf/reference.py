@@ -1,5 +1,5 @@
 """The semantics the hf engine implements, written over transformers' own forward: a reference the flat
-turn is checked against (tests/engine/hf/flat/test_reference.py), with no djev engine code in the
+turn is checked against (tests/engine/hf/test_reference.py), with no djev engine code in the
 forward path.
 
 `model` is a `DiffusionGemmaForBlockDiffusion` loaded by transformers alone (`reference_model`): no
@@ -9,23 +9,25 @@ layers read the prompt's last W - 1 positions and image tokens are read causally
 cache and masks have it.
 
 What the engine adds around a forward is taken from the engine, since it is the engine's choice and
-not the model's: the prompt's data (`DiffusionRunner.model_inputs`: ids with each image placeholder
+not the model's: the prompt's data (`ImageInputs.model_inputs`: ids with each image placeholder
 expanded, pixel values, image position ids, mm token type ids), the seeded generators and the
 sampler step (`seeded_generator`, `temperature_at`, `denoise_positions`), and a generation's
-bookkeeping (`Generation`, `next_block`, `sample_pass`, `end_block`). `sample_pass` unembeds the
-hidden states it is given with the engine's head (`DiffusionRunner.logits`: the same `lm_head` weights
-and soft cap as transformers' `DiffusionGemmaForBlockDiffusion.forward`).
+bookkeeping (`Generation`; `BlockDiffusion`'s `next_block`, `sample_pass`, `end_block`). `sample_pass`
+unembeds the hidden states it is given with the engine's head (`DiffusionRunner.logits`: the same
+`lm_head` weights and soft cap as transformers' `DiffusionGemmaForBlockDiffusion.forward`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from app.engine.base import GenerateResult, Prompt, ReadResult, ReadSpec, SlotRead
-from app.engine.hf.generation_state import Generation, check_spec
+from app.engine.hf.generation import Generation, check_spec
+from app.engine.hf.images import ImageInputs
 from app.engine.hf.sampler import temperature_at
 
 if TYPE_CHECKING:
@@ -49,8 +51,12 @@ def reference_model(checkpoint: str | Path) -> DiffusionGemmaForBlockDiffusion:
 
 def prompt_inputs(runner: DiffusionRunner, prompt: Prompt) -> dict[str, torch.Tensor]:
     """The prompt as the encoder takes it: `input_ids` [1, n] (image placeholders expanded) and, for an
-    image prompt, `pixel_values`, `image_position_ids` and `mm_token_type_ids` (data preparation only)."""
-    inputs = runner.model_inputs(prompt)
+    image prompt, `pixel_values`, `image_position_ids` and `mm_token_type_ids` (data preparation only:
+    the runner's image processing, without its feature LRU, which would give features, not pixels)."""
+    if not prompt.images:  # (`ImageInputs.model_inputs` is for prompts with images)
+        return {"input_ids": torch.tensor([list(prompt.ids)], dtype=torch.long, device=runner.device)}
+    images = ImageInputs(runner.model, runner.images.processor, runner.device, Counter(), entries=0)
+    inputs = images.model_inputs(prompt)
     return {key: inputs[key] for key in ("input_ids", *IMAGE_INPUTS) if key in inputs}
 
 
@@ -136,7 +142,7 @@ def reference_generate(model: DiffusionGemmaForBlockDiffusion, spec: GenerateSpe
     length = int(inputs["input_ids"].shape[1])
     # Greedy decoding owes nothing to the seed: its starting canvas comes from a fixed one (as the engine).
     generator = runner.seeded_generator(spec.seed if spec.temperature > 0.0 else 0)
-    gen = Generation(spec=spec, canvas_length=canvas_length, cache=None, length=length, prompt_tokens=length,
+    gen = Generation(spec=spec, canvas_length=canvas_length, length=length, prompt_tokens=length,
                      generator=generator, stop=frozenset(spec.stop_ids))
     ids: list[int] = []
     stopped = False
@@ -150,13 +156,13 @@ def reference_generate(model: DiffusionGemmaForBlockDiffusion, spec: GenerateSpe
             context = torch.cat([context, committed], dim=1)
             gen.length += len(gen.pending)
             gen.pending = None
-        block = runner.next_block(gen)
+        block = runner.blocks.next_block(gen)
         assert int(block.positions[0, 0]) == context.shape[1] == gen.length
         hidden = canvas_forward(model, {**inputs, "input_ids": context}, images, block.canvas, block.conditioning,
                                 logits=False)
-        block_ids = runner.sample_pass(gen, block, hidden)
+        block_ids = runner.blocks.sample_pass(gen, block, hidden)
         if block_ids is not None:
-            chunk = runner.end_block(gen, block_ids)
+            chunk = runner.blocks.end_block(gen, block_ids)
             ids.extend(chunk.ids)
             stopped = chunk.stopped
     return GenerateResult(ids=tuple(ids), stopped=stopped, prompt_tokens=gen.prompt_tokens, passes=gen.passes)

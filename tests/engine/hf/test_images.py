@@ -1,7 +1,8 @@
 """Images in the hf engine are decoded and run through the image processor in image workers before
 their job is queued, never on the engine thread; the reads equal the inline path a direct runner
 call takes, a broken image still fails only its own read with the same 422, cached features skip
-preprocessing altogether, and nothing preprocessed outlives its job."""
+preprocessing altogether, nothing preprocessed outlives its job, and a walk frame's later stages
+take the sheet and the frame from the KV store instead of reading them again."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from app.engine.base import EngineInputError, GenerateSpec, ImageInput, Prompt, ReadSpec
 from tests.conftest import make_tiny_reader
-from tests.engine.hf.graphs.test_encoder import jpeg
+from tests.engine.hf.media import jpeg
 from tests.engine.hf.test_reader import spec_for
 
 
@@ -31,11 +32,11 @@ class ThreadRecorder:
 
 
 def recorded(reader):
-    """The reader with its image processor and its engine entry points recorded."""
+    """The reader with its image processor and its engine turns (`FlatEngine.step`, which the reader
+    runs on the engine thread) recorded."""
     runner = reader.runner
-    runner.image_processor = ThreadRecorder(runner.image_processor)
-    runner.read = ThreadRecorder(runner.read)
-    runner.start_steps = ThreadRecorder(runner.start_steps)
+    runner.images.processor = ThreadRecorder(runner.images.processor)
+    runner.flat.step = ThreadRecorder(runner.flat.step)
     return reader
 
 
@@ -68,7 +69,7 @@ def assert_same_reads(a, b):
 
 
 def test_images_are_preprocessed_off_the_engine_thread_and_read_as_inline(tiny_dir, tokenizer):
-    reader = recorded(make_tiny_reader(tiny_dir, flat_turn=False))
+    reader = recorded(make_tiny_reader(tiny_dir))
     specs = [image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5, 77]),
              image_spec(tokenizer, "what is ahead?", frame((10, 10, 200), "frame 1"), [9]),
              spec_for(tokenizer, "a text state", "q1: yes", [3])]
@@ -78,18 +79,18 @@ def test_images_are_preprocessed_off_the_engine_thread_and_read_as_inline(tiny_d
 
     through_reader = run_started(reader, scenario)
     runner = reader.runner
-    engine_threads = set(runner.read.threads)
+    engine_threads = set(runner.flat.step.threads)
     assert engine_threads and all(name.startswith("djev-engine") for name in engine_threads)
-    assert len(runner.image_processor.threads) == 2  # one call per image set
-    assert all(name.startswith("djev-images") for name in runner.image_processor.threads)
+    assert len(runner.images.processor.threads) == 2  # one call per image set
+    assert all(name.startswith("djev-images") for name in runner.images.processor.threads)
     assert runner.stats["images_preprocessed"] == 2 and runner.stats["images_preprocessed_inline"] == 0
     assert reader.images_held == 0  # nothing preprocessed outlives its job
 
     # A direct runner call (bench scripts, tests) still decodes inline, on its own thread.
-    inline = make_tiny_reader(tiny_dir, flat_turn=False).runner
-    inline.image_processor = ThreadRecorder(inline.image_processor)
+    inline = make_tiny_reader(tiny_dir).runner
+    inline.images.processor = ThreadRecorder(inline.images.processor)
     direct = inline.read(specs)
-    assert inline.image_processor.threads == [threading.current_thread().name] * 2
+    assert inline.images.processor.threads == [threading.current_thread().name] * 2
     assert inline.stats["images_preprocessed_inline"] == 2
     assert through_reader[0].prompt_tokens > len(specs[0].prompt.ids)  # soft tokens expanded
     for a, b in zip(through_reader, direct, strict=True):
@@ -97,7 +98,7 @@ def test_images_are_preprocessed_off_the_engine_thread_and_read_as_inline(tiny_d
 
 
 def test_an_image_generation_is_preprocessed_off_the_engine_thread(tiny_dir, tokenizer):
-    reader = recorded(make_tiny_reader(tiny_dir, flat_turn=False))
+    reader = recorded(make_tiny_reader(tiny_dir))
     prompt = Prompt(tuple(tokenizer.render_chat("Look.", "describe it", 1, False)), (frame((30, 200, 30), "frame"),))
     spec = GenerateSpec(prompt, 16, (), seed=1, temperature=0.0)
 
@@ -106,16 +107,16 @@ def test_an_image_generation_is_preprocessed_off_the_engine_thread(tiny_dir, tok
 
     generated = run_started(reader, scenario)
     runner = reader.runner
-    assert runner.start_steps.threads and all(n.startswith("djev-engine") for n in runner.start_steps.threads)
-    assert len(runner.image_processor.threads) == 1
-    assert runner.image_processor.threads[0].startswith("djev-images")
+    assert runner.flat.step.threads and all(n.startswith("djev-engine") for n in runner.flat.step.threads)
+    assert len(runner.images.processor.threads) == 1
+    assert runner.images.processor.threads[0].startswith("djev-images")
     assert runner.stats["images_preprocessed_inline"] == 0 and reader.images_held == 0
-    inline = make_tiny_reader(tiny_dir, flat_turn=False).runner.generate(spec, reader.info.canvas_length)
+    inline = make_tiny_reader(tiny_dir).runner.generate(spec, reader.info.canvas_length)
     assert generated.ids == inline.ids and generated.prompt_tokens == inline.prompt_tokens > len(prompt.ids)
 
 
 def test_a_broken_image_fails_only_its_own_read_with_the_same_error(tiny_dir, tokenizer):
-    reader = recorded(make_tiny_reader(tiny_dir, flat_turn=False))
+    reader = recorded(make_tiny_reader(tiny_dir))
     good = image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5])
     bad = image_spec(tokenizer, "what is ahead?", ImageInput(b"\xff\xd8 not really a jpeg", "image/jpeg", "frame 7"),
                      [5])
@@ -133,15 +134,15 @@ def test_a_broken_image_fails_only_its_own_read_with_the_same_error(tiny_dir, to
     assert reader.runner.stats["images_preprocessed"] == 3 and reader.runner.stats["images_preprocessed_inline"] == 0
 
     # The inline path: per spec, the same error for the broken image only.
-    direct = make_tiny_reader(tiny_dir, flat_turn=False).runner.read([good, bad])
+    direct = make_tiny_reader(tiny_dir).runner.read([good, bad])
     assert not isinstance(direct[0], Exception) and isinstance(direct[1], EngineInputError)
     assert direct[1].param == failed.param and direct[1].status == failed.status
     assert re.sub(" at 0x[0-9a-f]+", "", str(direct[1])) == re.sub(" at 0x[0-9a-f]+", "", str(failed))  # PIL names its buffer
 
 
 def test_a_model_without_an_image_processor_refuses_images_as_before(tiny_dir, tokenizer):
-    reader = make_tiny_reader(tiny_dir, flat_turn=False)
-    reader.runner.image_processor = None
+    reader = make_tiny_reader(tiny_dir)
+    reader.runner.image_processor = reader.runner.images.processor = None
     spec = image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5])
 
     async def scenario():
@@ -155,27 +156,27 @@ def test_a_model_without_an_image_processor_refuses_images_as_before(tiny_dir, t
 
 
 def test_cached_features_and_cached_prompts_skip_preprocessing(tiny_dir, tokenizer):
-    reader = recorded(make_tiny_reader(tiny_dir, flat_turn=False))
+    reader = recorded(make_tiny_reader(tiny_dir))
     image = frame((30, 200, 30), "frame")
     first = image_spec(tokenizer, "what is ahead?", image, [5])
     restated = image_spec(tokenizer, "ahead: wall. which side?", image, [5])  # a later stage, same frame
 
     async def scenario():
         await reader.read([first])
-        processed = len(reader.runner.image_processor.threads)
+        processed = len(reader.runner.images.processor.threads)
         await reader.read([restated])  # vision-LRU hit: neither decoded nor processed
-        await reader.read([first])  # KV hit: not even expanded
+        await reader.read([first])  # KV hit: its features from the LRU, the tower never runs
         return processed
 
     processed = run_started(reader, scenario)
     runner = reader.runner
-    assert processed == 1 and len(runner.image_processor.threads) == 1
+    assert processed == 1 and len(runner.images.processor.threads) == 1
     assert runner.stats["images_preprocessed"] == 1 and runner.stats["images_preprocessed_inline"] == 0
-    assert runner.stats["vision_hits"] == 1 and runner.stats["vision_passes"] == 1 and runner.stats["kv_hits"] == 1
+    assert runner.stats["vision_hits"] == 2 and runner.stats["vision_passes"] == 1 and runner.stats["kv_hits"] == 1
 
 
 def test_past_the_budget_the_engine_thread_decodes_and_reads_the_same(tiny_dir, tokenizer):
-    reader = recorded(make_tiny_reader(tiny_dir, flat_turn=False))
+    reader = recorded(make_tiny_reader(tiny_dir))
     reader.image_budget = 0
     spec = image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5, 77])
 
@@ -185,23 +186,24 @@ def test_past_the_budget_the_engine_thread_decodes_and_reads_the_same(tiny_dir, 
     (result,) = run_started(reader, scenario)
     runner = reader.runner
     assert runner.stats["images_preprocessed"] == 0 and runner.stats["images_preprocessed_inline"] == 1
-    assert runner.image_processor.threads == runner.read.threads  # the engine thread, as before
-    (direct,) = make_tiny_reader(tiny_dir, flat_turn=False).runner.read([spec])
+    assert len(runner.images.processor.threads) == 1
+    assert set(runner.images.processor.threads) == set(runner.flat.step.threads)  # the engine thread, as before
+    (direct,) = make_tiny_reader(tiny_dir).runner.read([spec])
     assert_same_reads(result, direct)
 
 
 def test_a_cancelled_read_gives_its_preprocessed_images_back(tiny_dir, tokenizer):
-    reader = make_tiny_reader(tiny_dir, flat_turn=False)
+    reader = make_tiny_reader(tiny_dir)
     runner = reader.runner
     started, release = threading.Event(), threading.Event()
-    plain_read = runner.read
+    plain_step = runner.flat.step
 
-    def held_read(specs, *args):
+    def held_step(jobs):
         started.set()
         release.wait(10)  # hold the engine thread so the next read waits in the queue
-        return plain_read(specs, *args)
+        return plain_step(jobs)
 
-    runner.read = held_read
+    runner.flat.step = held_step
     blocker = spec_for(tokenizer, "hold the engine", "q1: yes", [1])
     queued = image_spec(tokenizer, "what is ahead?", frame((200, 10, 10), "frame 0"), [5])
 
@@ -243,54 +245,64 @@ def frame_prompts(tokenizer, colour=(90, 160, 40)):
     return first, second
 
 
-@pytest.fixture(scope="module")
-def wide_dir(tmp_path_factory):
-    """The tiny checkpoint with a 512-token sliding window: a frame's prompt (145 tokens) fits inside it,
-    as a walk frame's ~500 fit the full model's 1,024 (a prompt past the window has its sliding
-    layers cropped, and its prefix cannot be sliced from it)."""
-    import json
-
-    from app.engine.tiny import write_tiny_model
-
-    directory = write_tiny_model(tmp_path_factory.mktemp("wide") / "model")
-    config_path = directory / "config.json"
-    config = json.loads(config_path.read_text())
-    config["text_config"]["sliding_window"] = 512
-    config_path.write_text(json.dumps(config))
-    return directory
+def read_of(tokenizer, prompt: Prompt, noise: tuple[int, ...] = (5,)) -> ReadSpec:
+    return dataclasses.replace(spec_for(tokenizer, "unused", "q1: yes", list(noise)), prompt=prompt)
 
 
-def test_a_restated_stage_is_encoded_over_the_first_stages_prefix_and_reads_the_same(wide_dir, tiny_dir, tokenizer):
-    """The gated second stage of a walk frame: only its restated suffix is encoded, over the first
-    stage's KV of the sheet and the frame; its KV equals the prompt encoded whole."""
-    from tests.engine.hf.graphs.test_encoder import assert_same_kv
+def frame_end(runner, prompt: Prompt) -> int:
+    """Where the prompt's last image ends among its ids as the model reads them (soft tokens expanded)."""
+    ids = runner.images.model_inputs(prompt)["input_ids"][0].tolist()
+    return max(position for position, token in enumerate(ids) if token == runner.image_token_id) + 1
 
+
+def whole_blocks(runner, tokens: int) -> int:
+    """The tokens of the KV store's whole blocks among the first `tokens` (what a prefix can share)."""
+    size = runner.flat.store.block_tokens
+    return tokens // size * size
+
+
+def test_a_restated_stage_takes_the_first_stages_sheet_and_frame_from_the_store_and_reads_the_same(tiny_dir, tokenizer):
+    """The gated second stage of a walk frame: the sheet and the frame (every KV block before the
+    restated answers) come from the KV store, neither the vision tower nor the frame's tokens run
+    again, and it reads what the prompt read whole reads; another frame shares none of the first's."""
     first, second = frame_prompts(tokenizer)
-    narrow = make_tiny_reader(tiny_dir, flat_turn=False).runner  # the tiny model's own 64-token window: the source is cropped
-    narrow.encode_many([first])
-    narrow.encode_many([second])
-    assert narrow.stats["image_prefix_hits"] == 0
-    runner = make_tiny_reader(wide_dir).runner
-    runner.encode_many([first])
-    before = dict(runner.stats)
-    (reused,) = runner.encode_many([second])
-    assert runner.stats["image_prefix_hits"] == 1
-    assert runner.stats["vision_passes"] == before.get("vision_passes", 0)  # the frame's features reused
-    (whole,) = make_tiny_reader(wide_dir).runner.encode_many([second])
-    assert_same_kv(whole, reused)
-    other = frame_prompts(tokenizer, colour=(10, 10, 200))[1]  # another frame: no source, encoded whole
-    runner.encode_many([other])
-    assert runner.stats["image_prefix_hits"] == 1
+    fresh = make_tiny_reader(tiny_dir).runner
+    shared = whole_blocks(fresh, frame_end(fresh, second))
+    assert shared > int(fresh.text_config.sliding_window)  # past the tiny model's window: its sliding blocks too
+    (whole,) = fresh.read([read_of(tokenizer, second)])
+    runner = make_tiny_reader(tiny_dir).runner
+    store = runner.flat.store
+    runner.read([read_of(tokenizer, first)])
+    hits, passes = store.stats["hit_tokens"], runner.stats["vision_passes"]
+    (reused,) = runner.read([read_of(tokenizer, second)])
+    assert store.stats["hit_tokens"] - hits >= shared
+    assert runner.stats["vision_passes"] == passes  # the frame's features reused
+    assert_same_reads(whole, reused)
+    other = frame_prompts(tokenizer, colour=(10, 10, 200))[1]  # another frame: at most the text before it shared
+    hits = store.stats["hit_tokens"]
+    runner.read([read_of(tokenizer, other)])
+    assert store.stats["hit_tokens"] - hits < shared
+    assert runner.stats["vision_passes"] == passes + 1
 
 
-def test_a_walk_decisions_gated_stage_reuses_the_frames_prompt(wide_dir):
+def test_a_walk_decisions_gated_stage_reuses_the_frames_prompt(tiny_dir):
     from app import build
     from app.config import Settings
     from app.decisions.request import parse_decision
     from app.decisions.run import Decider
     from tests.conftest import LIMITS
 
-    reader = make_tiny_reader(wide_dir, flat_turn=False)  # the row path's image-prefix encoding
+    reader = make_tiny_reader(tiny_dir)
+    runner = reader.runner
+    prompts: list[Prompt] = []  # every read's prompt, in the order the turns took them
+    step = runner.flat.step
+
+    def noted(jobs):
+        for job in jobs:
+            prompts.extend(spec.prompt for spec in getattr(job, "specs", ()) if spec.prompt not in prompts)
+        return step(jobs)
+
+    runner.flat.step = noted
     body = {"state": "Walking forward.", "samples": 1,
             "questions": {"clear": {"type": "noul", "instructions": "Is the way ahead clear?"},
                           "side": {"type": "choice", "instructions": "Which side is the obstacle on?",
@@ -307,10 +319,15 @@ def test_a_walk_decisions_gated_stage_reuses_the_frames_prompt(wide_dir):
 
     outcome = asyncio.run(go())
     assert outcome.diagnostics["stages"] == [["clear"], ["side"]]
-    assert reader.stats["image_prefix_hits"] == 1 and reader.stats["vision_passes"] == 1
+    assert reader.stats["vision_passes"] == 1  # the gated stage never ran the frame through the tower again
+    # ... nor read it again: its sheet and frame's KV came from the store.
+    first, gated = prompts
+    fresh = make_tiny_reader(tiny_dir).runner
+    assert first.images == gated.images and first.ids != gated.ids
+    assert runner.flat.store.stats["hit_tokens"] >= whole_blocks(fresh, frame_end(fresh, gated)) > 0
 
 
-# A sheet long enough for a shared prefix (PREFIX_MIN tokens) ahead of the frame.
+# A sheet of several questions ahead of the frame: a prefix of many KV blocks, past the tiny model's window.
 LONG_SHEET = SHEET + "".join(f"\n\nQuestion q{n}: Is sign number {n} in view?\n  yes\n  no" for n in range(3, 9))
 COLOURS = ((90, 160, 40), (10, 10, 200), (200, 30, 30))
 
@@ -323,56 +340,37 @@ def frames_of_one_sheet(tokenizer, restated: bool = False):
     return [Prompt(text, (ImageInput(jpeg(colour), "image/jpeg", "frame"),)) for colour in COLOURS]
 
 
-def wide_graphed(wide_dir):
-    from tests.engine.hf.graphs.test_encoder import graphed_runner
-
-    return graphed_runner(wide_dir, lengths=(16, 32, 64, 128, 256, 384))
-
-
-def test_frames_of_one_sheet_are_encoded_over_the_sheets_kv_and_equal_the_whole_encoding(wide_dir, tokenizer):
-    """The first frame is encoded whole; later frames of the sheet take its KV up to the frame
-    (sliced once, then kept) and encode only the frame and what follows it, in one pass."""
-    from tests.engine.hf.graphs.test_encoder import assert_same_kv
-
+def test_frames_of_one_sheet_share_the_sheets_kv_and_read_what_each_reads_alone(tiny_dir, tokenizer):
+    """The first frame writes the sheet's KV; later frames of the sheet take it from the store up to
+    their frame, and each reads what it reads alone on a fresh engine."""
     frames = frames_of_one_sheet(tokenizer)
-    runner = wide_graphed(wide_dir)
-    runner.encode_many(frames[:1])
-    assert runner.stats["prefix_hits"] == 0
-    passes = runner.stats["encoder_passes"]
-    encoded = runner.encode_many(frames[1:])
-    assert runner.stats["prefix_hits"] == 2 and runner.stats["prefixes_sliced"] == 1
-    assert runner.stats["encoder_passes"] - passes == 1
-    eager = make_tiny_reader(wide_dir).runner
-    for prompt, kv in zip(frames[1:], encoded):
-        assert_same_kv(eager.encode_many([prompt])[0], kv)
+    image_at = frames[0].ids.index(tokenizer.image_placeholder_id)  # the sheet's tokens: the same before every frame
+    runner = make_tiny_reader(tiny_dir).runner
+    sheet = whole_blocks(runner, image_at)
+    assert sheet > int(runner.text_config.sliding_window)
+    store = runner.flat.store
+    runner.read([read_of(tokenizer, frames[0])])
+    hits = store.stats["hit_tokens"]
+    together = runner.read([read_of(tokenizer, frame, (5, 9)) for frame in frames[1:]])
+    assert store.stats["hit_tokens"] - hits >= 2 * sheet
+    for frame, got in zip(frames[1:], together, strict=True):
+        (alone,) = make_tiny_reader(tiny_dir).runner.read([read_of(tokenizer, frame, (5, 9))])
+        assert_same_reads(alone, got)
 
 
-def test_the_gated_stages_of_several_frames_share_one_pass_each_over_its_own_frame(wide_dir, tokenizer):
-    from tests.engine.hf.graphs.test_encoder import assert_same_kv
-
-    runner = wide_graphed(wide_dir)
-    runner.encode_many(frames_of_one_sheet(tokenizer))
-    passes, hits = runner.stats["encoder_passes"], runner.stats["image_prefix_hits"]
+def test_the_gated_stages_of_several_frames_share_one_turn_each_over_its_own_frame(tiny_dir, tokenizer):
+    """The restated stages of three frames, read together: each takes its own frame's first stage from
+    the store (the sheet and its frame), none runs the vision tower again, all in one turn, and each
+    reads what it reads alone."""
+    runner = make_tiny_reader(tiny_dir).runner
+    store = runner.flat.store
+    runner.read([read_of(tokenizer, frame) for frame in frames_of_one_sheet(tokenizer)])
     seconds = frames_of_one_sheet(tokenizer, restated=True)
-    encoded = runner.encode_many(seconds)
-    assert runner.stats["image_prefix_hits"] - hits == 3 and runner.stats["encoder_passes"] - passes == 1
-    eager = make_tiny_reader(wide_dir).runner
-    for prompt, kv in zip(seconds, encoded):
-        assert_same_kv(eager.encode_many([prompt])[0], kv)
-
-
-@pytest.mark.parametrize("prefix_slots, reused", [((256,), True), ((64,), False)])
-def test_with_encoder_graphs_the_restated_stage_takes_the_static_path_or_is_encoded_whole(
-        wide_dir, tokenizer, prefix_slots, reused):
-    """On the graphs' static path where the shared prefix fits a prefix bucket; where none holds it,
-    encoded whole as before (and nothing is sliced for it). The KV is the whole encoding's either way."""
-    from tests.engine.hf.graphs.test_encoder import assert_same_kv, graphed_runner
-
-    first, second = frame_prompts(tokenizer)
-    runner = graphed_runner(wide_dir, lengths=(16, 32, 64, 128, 256))
-    runner.policy = dataclasses.replace(runner.policy, prefix_slots=prefix_slots)
-    runner.encoder_graphs.policy = runner.policy
-    runner.encode_many([first])
-    (encoded,) = runner.encode_many([second])
-    assert runner.stats["image_prefix_hits"] == (1 if reused else 0)
-    assert_same_kv(make_tiny_reader(wide_dir).runner.encode_many([second])[0], encoded)
+    shared = sum(whole_blocks(runner, frame_end(make_tiny_reader(tiny_dir).runner, frame)) for frame in seconds)
+    passes, hits, turns = runner.stats["vision_passes"], store.stats["hit_tokens"], runner.stats["flat_turns"]
+    together = runner.read([read_of(tokenizer, frame) for frame in seconds])
+    assert store.stats["hit_tokens"] - hits >= shared
+    assert runner.stats["vision_passes"] == passes and runner.stats["flat_turns"] - turns == 1
+    for frame, got in zip(seconds, together, strict=True):
+        (alone,) = make_tiny_reader(tiny_dir).runner.read([read_of(tokenizer, frame)])
+        assert_same_reads(alone, got)

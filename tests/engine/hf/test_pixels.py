@@ -65,14 +65,14 @@ def jpeg(size: tuple[int, int], seed: int) -> bytes:
 @torch.no_grad()
 def test_a_read_through_the_split_equals_the_whole_path(tiny_dir, tokenizer):
     whole, split = make_tiny_reader(tiny_dir).runner, make_tiny_reader(tiny_dir).runner
-    if not pixels.splittable(split.image_processor):
+    if not pixels.splittable(split.images.processor):
         pytest.skip("the tiny checkpoint's image processor is not Gemma 4's")
-    split.split_pixels = True  # the CUDA default, forced on the CPU
-    assert not whole.split_pixels  # the CPU keeps the library's whole path
+    split.images.split_pixels = True  # the CUDA default, forced on the CPU
+    assert not whole.images.split_pixels  # the CPU keeps the library's whole path
     image = ImageInput(jpeg((96, 72), seed=5), "image/jpeg", "frame")
     prompt = Prompt(tuple(tokenizer.render_chat("Look.", "what is ahead?", 1, False)), (image,))
     spec = dataclasses.replace(spec_for(tokenizer, "unused", "q1: yes", [3]), prompt=prompt)
-    ready = split.preprocess(prompt)
+    ready = split.images.preprocess(prompt)
     assert ready.resized is not None and ready.pixel_values is None
     a = whole.read([spec])[0]
     b = split.read([spec], {prompt.cache_key[1]: ready})[0]

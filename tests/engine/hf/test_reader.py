@@ -1,5 +1,5 @@
-"""The hf engine on the tiny model: batched decoder passes equal single reads, concurrent decisions
-share passes, prompts are encoded once, steps and generation are seeded."""
+"""The hf engine on the tiny model: reads batched in one turn equal single reads, concurrent decisions
+share turns, a repeated prompt is read from the KV store, steps and generation are seeded."""
 
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ async def started(reader, coro_factory):
 
 @pytest.fixture
 def tiny_reader(tiny_dir):
-    """The row path's reader: this module counts its encoder and decoder passes."""
+    """A reader of its own: this module counts its encoder and decoder passes (turns that wrote prompt
+    KV, turns that read canvases)."""
     from tests.conftest import make_tiny_reader
 
-    return make_tiny_reader(tiny_dir, flat_turn=False)
+    return make_tiny_reader(tiny_dir)
 
 
 def spec_for(tokenizer, state: str, answer: str, noise: list[int], steps: int = 1, seed: int = 0) -> ReadSpec:
@@ -71,7 +72,7 @@ def test_a_batched_pass_equals_single_reads(tiny_reader, tokenizer):
         for canvas_a, canvas_b in zip(single.slots, batched.slots):
             for slot_a, slot_b in zip(canvas_a, canvas_b):
                 assert slot_a.argmax_id == slot_b.argmax_id
-                assert slot_a.label_logprobs == pytest.approx(slot_b.label_logprobs, abs=1e-4)
+                assert slot_a.label_logprobs == pytest.approx(slot_b.label_logprobs, abs=1e-5)
 
 
 def test_concurrent_decisions_share_decoder_passes(tiny_reader):
@@ -92,18 +93,25 @@ def test_concurrent_decisions_share_decoder_passes(tiny_reader):
     assert passes < 8, f"8 concurrent decisions took {passes} decoder passes"
 
 
-def test_a_repeated_prompt_is_encoded_once(tiny_reader, tokenizer):
+def test_a_repeated_prompt_is_read_from_the_kv_store(tiny_reader, tokenizer):
+    from tests.conftest import REPEAT_TOLERANCE
+
     spec = spec_for(tokenizer, "the same state every time", "q1: yes", [1])
+    store = tiny_reader.runner.flat.store
 
     async def twice():
-        before = tiny_reader.stats.get("encoder_passes", 0)
         first = await tiny_reader.read([spec])
+        hits = store.stats["hit_tokens"]
         second = await tiny_reader.read([spec])
-        return first, second, tiny_reader.stats["encoder_passes"] - before
+        return first, second, store.stats["hit_tokens"] - hits
 
-    first, second, encodes = run(started(tiny_reader, twice))
-    assert encodes == 1 and first == second
-    assert tiny_reader.stats["kv_hits"] >= 1
+    first, second, hit = run(started(tiny_reader, twice))
+    size = store.block_tokens
+    assert hit == len(spec.prompt.ids) // size * size > 0  # every whole block of it: only its tail written again
+    assert tiny_reader.stats["kv_hits"] == 1 and tiny_reader.stats["kv_misses"] == 1
+    assert first[0].prompt_tokens == second[0].prompt_tokens
+    (a,), (b,) = first[0].slots[0], second[0].slots[0]
+    assert a.argmax_id == b.argmax_id and a.label_logprobs == pytest.approx(b.label_logprobs, abs=REPEAT_TOLERANCE)
 
 
 def test_steps_move_only_the_slots_and_are_seeded(tiny_reader, tokenizer):
@@ -171,7 +179,7 @@ def test_generation_stops_at_a_stop_id(tiny_reader, tokenizer):
 def test_a_prompt_past_the_limit_fails_alone(tiny_dir, tokenizer):
     from tests.conftest import make_tiny_reader
 
-    reader = make_tiny_reader(tiny_dir, flat_turn=False, max_prompt_tokens=100)
+    reader = make_tiny_reader(tiny_dir, max_prompt_tokens=100)
     short = spec_for(tokenizer, "short", "q1: yes", [1])
     long = spec_for(tokenizer, "word " * 300, "q1: yes", [1])
 
@@ -180,8 +188,9 @@ def test_a_prompt_past_the_limit_fails_alone(tiny_dir, tokenizer):
         return ok, bad
 
     ok, bad = run(started(reader, both))
-    assert isinstance(bad, EngineInputError) and bad.error_type == "max_tokens_exceeded"
+    assert isinstance(bad, EngineInputError) and bad.error_type == "max_tokens_exceeded" and bad.status == 400
     assert len(ok) == 1 and ok[0].prompt_tokens < 100
+    assert reader.stats["kv_misses"] == 1  # refused before it was queued: only the short prompt was prepared
 
 
 def test_a_stopped_reader_refuses_work(tiny_reader, tokenizer):
@@ -192,8 +201,8 @@ def test_a_stopped_reader_refuses_work(tiny_reader, tokenizer):
 
 
 def test_batched_prefill_equals_single_prefill(tiny_dir, tokenizer):
-    """Uncached prompts of different lengths (longer and shorter than the sliding window) share one
-    left-padded encoder pass; the reads equal reads of each prompt encoded alone."""
+    """Uncached prompts of different lengths (longer and shorter than the sliding window) are written in
+    one turn; the reads equal reads of each prompt written alone."""
     from tests.conftest import make_tiny_reader
 
     specs = [
@@ -201,7 +210,7 @@ def test_batched_prefill_equals_single_prefill(tiny_dir, tokenizer):
         spec_for(tokenizer, "a state past the sliding window " * 12, "q1: yes", [9, 10]),
         spec_for(tokenizer, "medium sized state here", "q1: no\nq2: yes", [100]),
     ]
-    alone_reader, batch_reader = make_tiny_reader(tiny_dir, flat_turn=False), make_tiny_reader(tiny_dir, flat_turn=False)
+    alone_reader, batch_reader = make_tiny_reader(tiny_dir), make_tiny_reader(tiny_dir)
 
     async def alone():
         return [(await alone_reader.read([spec]))[0] for spec in specs]
@@ -217,36 +226,7 @@ def test_batched_prefill_equals_single_prefill(tiny_dir, tokenizer):
         for canvas_a, canvas_b in zip(a.slots, b.slots):
             for slot_a, slot_b in zip(canvas_a, canvas_b):
                 assert slot_a.argmax_id == slot_b.argmax_id
-                assert slot_a.label_logprobs == pytest.approx(slot_b.label_logprobs, abs=1e-3)
-
-
-def test_the_static_buffer_path_of_cuda_graphs_equals_the_eager_pass(tiny_reader, tokenizer):
-    """The graph path's bucketing (rows to a power of two, KV doubling from 256), left padding, masks
-    and padding rows, run eagerly on the CPU (capture=False), give the eager pass's hidden states."""
-    import torch
-
-    from app.engine.hf.graphs.decoder import DecoderGraphs, bucket_length, bucket_rows
-
-    assert [bucket_rows(n) for n in (1, 2, 3, 5, 33)] == [1, 2, 4, 8, 64]
-    assert [bucket_length(n) for n in (1, 256, 257, 513)] == [256, 256, 512, 1024]
-    runner = tiny_reader.runner
-    specs = [
-        spec_for(tokenizer, "short", "q1: yes", [5, 6]),
-        spec_for(tokenizer, "a longer state that passes the sliding window " * 8, "q1: yes", [9]),
-    ]
-    with torch.no_grad():
-        encoded = runner.encode_many([spec.prompt for spec in specs])
-        rows = [(encoded[0], list(specs[0].canvases[0])), (encoded[0], list(specs[0].canvases[1])),
-                (encoded[1], list(specs[1].canvases[0]))]
-        eager = runner.decoder_hidden(rows)
-        graphs = DecoderGraphs(runner.model, runner.layer_types, runner.device, pad_id=runner.pad_id, capture=False,
-                               policy=runner.policy)
-        static = graphs.hidden(rows)
-        again = graphs.hidden(rows[:2])  # a smaller batch reuses... a different bucket, built once
-    assert static.shape == eager.shape
-    assert torch.allclose(static, eager, atol=1e-4)
-    assert torch.allclose(again, eager[:2], atol=1e-4)
-    assert len(graphs.cache) == 2 and not graphs.cache.failed
+                assert slot_a.label_logprobs == pytest.approx(slot_b.label_logprobs, abs=1e-5)
 
 
 def test_loading_sets_the_heap_aside_from_the_collectors_passes(tiny_dir):
@@ -255,33 +235,29 @@ def test_loading_sets_the_heap_aside_from_the_collectors_passes(tiny_dir):
     from tests.conftest import make_tiny_reader
 
     gc.unfreeze()
-    reader = make_tiny_reader(tiny_dir, flat_turn=False)
+    reader = make_tiny_reader(tiny_dir)
     frozen = gc.get_freeze_count()
     assert frozen > 10_000  # the model, the libraries: out of every later full pass
     assert not any(obj is reader.runner.model for obj in gc.get_objects(generation=2))
 
 
-def test_a_read_of_many_canvases_over_a_long_prompt_takes_passes_within_the_decoder_budget(tiny_dir, tokenizer):
-    """The rows of one read go through the decoder in passes of at most `decoder_slots` tokens
-    (rows x (prompt + canvas)), each pass a step of its own, and read what one pass reads."""
-    import dataclasses
-
+def test_a_read_of_more_canvases_than_a_turn_reads_takes_turns_of_max_batch_rows(tiny_dir, tokenizer):
+    """The canvases of one read go through turns of at most MAX_BATCH_ROWS canvases, each turn a step
+    of its own (a yield between two), and read what one turn reads."""
+    from app.engine.hf.layout import Kind
     from tests.conftest import make_tiny_reader
 
-    runner = make_tiny_reader(tiny_dir, flat_turn=False).runner
     spec = spec_for(tokenizer, "a long state " * 20, "q1: yes", list(range(100, 110)))
-    prompt = runner.encode(spec.prompt).length
-    width = len(spec.canvases[0])
-    expected = runner.read([spec])[0]
-    runner.policy = dataclasses.replace(runner.policy, decoder_slots=3 * (prompt + width))
+    expected = make_tiny_reader(tiny_dir).runner.read([spec])[0]
+    runner = make_tiny_reader(tiny_dir, max_batch_rows=3).runner
     sizes: list[int] = []
-    real = runner.decoder_hidden
+    run_turn = runner.flat.turn.run
 
-    def counted(rows, conditioning=None):
-        sizes.append(len(rows))
-        return real(rows, conditioning)
+    def counted(parts):
+        sizes.append(sum(1 for part in parts if part.kind is Kind.CANVAS))
+        return run_turn(parts)
 
-    runner.decoder_hidden = counted
+    runner.flat.turn.run = counted
     steps = runner.read_steps([spec])
     turns = 0
     try:
@@ -290,6 +266,7 @@ def test_a_read_of_many_canvases_over_a_long_prompt_takes_passes_within_the_deco
             turns += 1
     except StopIteration as done:
         got = done.value[0]
-    assert sizes == [3, 3, 3, 1] and turns == 3  # a yield between two passes
-    for a, b in zip(expected.slots, got.slots):
-        assert a[0].label_logprobs == pytest.approx(b[0].label_logprobs, abs=1e-4)
+    assert sizes == [3, 3, 3, 1] and turns == 3  # a yield between two turns
+    for a, b in zip(expected.slots, got.slots, strict=True):
+        assert a[0].argmax_id == b[0].argmax_id
+        assert a[0].label_logprobs == pytest.approx(b[0].label_logprobs, abs=1e-5)

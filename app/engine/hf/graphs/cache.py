@@ -1,7 +1,7 @@
-"""The one graph cache the decoder, encoder and vision graphs share: graphs by shape key, built on
+"""The one graph cache the flat turn's pieces and the vision tower's graphs use: graphs by key, built on
 first use until `freeze`, then only looked up. A key that is not held once frozen, or whose capture
 failed, is a fallback: the caller runs that pass eagerly, and the cache counts it. Nothing is ever
-evicted (the set is bounded by the shape policy, app/engine/hf/graphs/shapes.py), and a failure
+evicted (the set is bounded: token-count buckets, frame counts), and a failure
 while replaying fails only that pass: it never turns graphs off for everyone.
 """
 
@@ -36,12 +36,8 @@ def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torc
     `first`, where given, runs once on a side stream before the recording. A shape's first run is needed: without
     it the captures of new shapes failed on the H200 (a compiled piece's first call of a shape
     copies from the host), and one failed capture left the pool recording, failing every capture
-    after it (docs/benchmarks.md). The graphs' owners ask `GraphCache.first_run`: once per value of
-    the shape policy's `decoder_pieces` / `encoder_pieces`, not once per key. The text passes give
-    a `first` through the first layer of each type only (app/engine/hf/parts.py `first_layers`):
-    every layer of a type calls the same compiled pieces, so what a new shape's first call does
-    happens there, at a fifth of a whole pass's cost (`through_first_layers`). The vision graphs
-    run their whole pass first.
+    after it (docs/benchmarks.md). The vision graphs run their whole pass first (the flat turn's
+    pieces capture on a stream of their own: app/engine/hf/forward.py).
 
     Unlike `torch.cuda.graph`, nothing is freed before each capture (its `empty_cache` returned the
     warm run's memory to the device, only for the next warm run to ask for it again); the start-up
@@ -72,33 +68,17 @@ def capture(forward: Callable[[], object], pool: PoolHandle | None, device: torc
 
 
 class GraphCache(Generic[K, G]):
-    """Graphs of one kind (`name`: "decoder", "encoder", "vision") by key. `build(key)` makes one
-    (capturing it where the kind captures). Counts go into `stats` (the runner's counters, which
-    /metrics exports): `<name>_graphs_built`, `<name>_graph_fallbacks`, and the milliseconds building took.
-    `pieces(key)` says what a key's run before capture stands for (the shape policy's rule);
-    without it every key runs first."""
+    """Graphs of one kind (`name`: "flat", "vision") by key. `build(key)` makes one (capturing it
+    where the kind captures). Counts go into `stats` (the runner's counters, which /metrics exports):
+    `<name>_graphs_built`, `<name>_graph_fallbacks`, and the milliseconds building took."""
 
-    def __init__(self, name: str, build: Callable[[K], G], stats: Counter[str],
-                 pieces: Callable[[K], Hashable] | None = None) -> None:
+    def __init__(self, name: str, build: Callable[[K], G], stats: Counter[str]) -> None:
         self.name = name
         self._build = build
         self.stats = stats
-        self._pieces = pieces
-        self._warmed: set[Hashable] = set()
         self._held: dict[K, G] = {}
         self.failed: dict[K, str] = {}  # keys whose build failed, and why: their passes run eagerly
         self.frozen = False
-
-    def first_run(self, key: K) -> bool:
-        """Whether the capture of `key` runs its pass first (`capture`'s `first`): the first key of
-        each value of `pieces`, or every key without it. Counts the key as run."""
-        if self._pieces is None:
-            return True
-        pieces = self._pieces(key)
-        if pieces in self._warmed:
-            return False
-        self._warmed.add(pieces)
-        return True
 
     def get(self, key: K | None) -> G | None:
         """The graph for `key`, built now if the cache is not frozen; None for the eager path (no
@@ -154,5 +134,4 @@ class GraphCache(Generic[K, G]):
     def clear(self) -> None:
         self._held.clear()
         self.failed.clear()
-        self._warmed.clear()
         self.frozen = False

@@ -1,8 +1,8 @@
 """CUDA-graph replay of the vision tower, for camera frames from any number of sessions at once.
 
 The graph holds the tower up to the strip of padding tokens, which stays outside, on the graph's
-outputs; images are bucketed by count (the shape policy's image buckets, app/engine/hf/graphs/shapes.py;
-a larger batch of frames is split into passes of the largest bucket by the caller) and patch layout.
+outputs; images are bucketed by count (IMAGE_BUCKETS; a larger batch of frames is split into passes of the
+largest bucket by the caller, app/engine/hf/images.py) and patch layout.
 Graphs are held in a GraphCache (app/engine/hf/graphs/cache.py), captured before `ready` from one
 sample frame and never evicted. It gives the library's image features. With `capture=False` the same
 path runs eagerly: the CPU tests check it against the library's forward. Design and numbers:
@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from app.engine.hf.graphs.cache import GraphCache, capture
-from app.engine.hf.graphs.shapes import IMAGE_BUCKETS, bucket_of
 from app.engine.hf.layers import vision_attention
 
 if TYPE_CHECKING:
@@ -32,6 +31,8 @@ log = logging.getLogger("djev.engine")
 
 # (images, patches, patch pixels)
 VisionKey = tuple[int, int, int]
+# Frames a vision pass takes, padded up to one of these (a camera burst from many sessions shares passes).
+IMAGE_BUCKETS = (1, 2, 4, 8)
 
 
 @dataclass
@@ -60,7 +61,8 @@ class VisionGraphs:
         self._sample: tuple[torch.Tensor, torch.Tensor] | None = None  # the inputs a build loads first
 
     def key(self, pixel_values: torch.Tensor) -> VisionKey | None:
-        bucket = bucket_of(int(pixel_values.shape[0]), self.buckets)
+        count = int(pixel_values.shape[0])
+        bucket = next((bucket for bucket in self.buckets if bucket >= count), None)
         if bucket is None:
             return None
         _, patches, patch_dim = pixel_values.shape

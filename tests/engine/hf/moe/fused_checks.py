@@ -71,14 +71,49 @@ def kernel_cases() -> list[dict]:
     return results
 
 
+def flat_canvases(model, compile=None):
+    """The flat turn's forward over the tiny model (app/engine/hf/forward.py, its layer bodies through
+    `compile` where given: TORCH_COMPILE): the prompt 100..139 written in a turn of its own, then
+    `hidden(rows)`, the hidden states [rows, 16, hidden] of `rows` canvases 200..215 over it read in
+    one turn (a decoder pass of `rows` canvases)."""
+    from app.engine.hf.attention import ReferenceAttention
+    from app.engine.hf.blocks import KVStore, LayerShape
+    from app.engine.hf.forward import FlatForward
+    from app.engine.hf.layout import Kind
+    from app.engine.hf.parts import encoder_layers, layer_types, text_config
+    from app.engine.hf.turn import FlatTurn, Part
+
+    shapes = [LayerShape(kind == "sliding_attention", layer.self_attn.k_proj.out_features // layer.self_attn.head_dim,
+                         layer.self_attn.head_dim) for layer, kind in zip(encoder_layers(model), layer_types(model))]
+    window = int(text_config(model).sliding_window)
+    store = KVStore(shapes, window, 64 << 20, "cpu", model.dtype)
+    forward = FlatForward(model, store, ReferenceAttention(store, window))
+    if compile is not None:
+        forward.compile(compile)
+    turn = FlatTurn(forward, store, torch.device("cpu"))
+    prompt = list(range(100, 140))
+    sequence = store.open(prompt)
+    store.reserve(sequence, prompt)
+    turn.run([Part(Kind.PROMPT, sequence, 0, prompt)])
+
+    @torch.no_grad()
+    def hidden(rows: int = 1) -> torch.Tensor:
+        parts = [Part(Kind.CANVAS, sequence, len(prompt), list(range(200, 216)), logits=tuple(range(16)))
+                 for _ in range(rows)]
+        turn.run(parts)
+        return torch.stack([part.hidden for part in parts])
+
+    return hidden
+
+
 def model_case(checkpoint: str) -> dict:
-    """The tiny model's decoder hidden states with transformers' experts, with the kernels, and with
-    the kernels under torch.compile (aot_eager: the custom op is opaque to the compiler, as it is to
-    inductor on the GPU)."""
+    """The tiny model's decoder hidden states with transformers' experts and with the kernels (its own
+    forward), and the flat turn's with the kernels, eager and with its layer bodies under torch.compile
+    (aot_eager: the custom op is opaque to the compiler, as it is to inductor on the GPU)."""
+    import functools
+
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.cache_utils import DynamicCache
-
-    from app.engine.hf.compiled import compile_layers
 
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint, dtype=torch.float32,
                                                             attn_implementation="sdpa").eval()
@@ -96,21 +131,23 @@ def model_case(checkpoint: str) -> dict:
     library = hidden()
     reason = fused_moe.use_fused_experts(model)
     fused = hidden()
-    compile_layers(model, backend="aot_eager")
+    eager = flat_canvases(model)()
+    compiled_turns = flat_canvases(model, functools.partial(torch.compile, backend="aot_eager", dynamic=None))
     torch._dynamo.utils.counters.clear()
-    compiled = hidden()
-    _ = hidden(rows=2)  # a second shape: the pieces compile once more, as dynamic
+    compiled = compiled_turns()
+    _ = compiled_turns(rows=2)  # a second shape: the bodies compile once more, as dynamic
     after_two = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     experts = model.config.text_config.num_experts
     top_k = model.config.text_config.top_k_experts
     ranges = set()
-    for rows in (3, 5, 9, 17):  # decoder passes of 16-token canvases: every tile range of the tiny model
-        _ = hidden(rows=rows)
+    for rows in (3, 5, 9, 17):  # turns of 16-token canvases: every tile range of the tiny model
+        _ = compiled_turns(rows=rows)
         ranges.add(fused_moe.block_config(rows * 16 * top_k, experts).block_m)
     return {
         "before": before, "after": model.get_experts_implementation()[""], "reason": reason,
         "fused_vs_library": (fused - library).abs().max().item(),
-        "compiled_vs_fused": (compiled - fused).abs().max().item(),
+        "flat_vs_fused": (eager[0] - fused[0]).abs().max().item(),
+        "compiled_vs_fused": (compiled - eager).abs().max().item(),
         "scale": library.abs().max().item(),
         "graphs_after_two_sizes": after_two,
         "graphs_after_more_sizes": torch._dynamo.utils.counters["stats"]["unique_graphs"],
