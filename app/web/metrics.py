@@ -53,6 +53,8 @@ CLIENT_LEFT = 499  # the status label of a request whose client went away before
 # Reader stats are counters (`djev_<engine>_<name>_total`) unless they are levels: a stat the reader
 # lists in its optional `stat_gauges`, or whose name ends in one of these, is a gauge.
 GAUGE_SUFFIXES = ("_depth", "_entries", "_bytes", "_in_flight", "_open", "_ready")
+# ... but for counts of what happened after ready (`captures_after_ready`): counters.
+COUNTED_SUFFIXES = ("_after_ready",)
 # The engine's queue depth is part of the engine-neutral core (`djev_queue_depth`).
 QUEUE_DEPTH_STAT = "queue_depth"
 
@@ -152,12 +154,12 @@ class LiveCollector(Collector):
 
 def engine_metrics(engine: str, stats: Mapping[str, float], gauges: Collection[str] = ()) -> Iterable[Metric]:
     """A reader's stats as `djev_<engine>_<name>`: counters (`_total`) unless `gauges` lists the
-    stat or its name ends in one of GAUGE_SUFFIXES."""
+    stat or its name ends in one of GAUGE_SUFFIXES (and not in COUNTED_SUFFIXES)."""
     for key in sorted(stats):
         name = f"djev_{engine}_{metric_name_part(key)}"
         value = float(stats[key])
         doc = f"the {engine} engine's {key}"
-        if key in gauges or name.endswith(GAUGE_SUFFIXES):
+        if key in gauges or (name.endswith(GAUGE_SUFFIXES) and not name.endswith(COUNTED_SUFFIXES)):
             yield _gauge(name, doc, value)
         else:
             yield CounterMetricFamily(name.removesuffix("_total"), doc, value=value)

@@ -119,6 +119,17 @@ def test_a_reader_names_its_gauges_in_stat_gauges():
     assert value(parse(text), "djev_fake_engine_outstanding") == 2
 
 
+def test_what_was_built_after_ready_is_counted_and_the_kv_stores_blocks_are_levels(tiny_reader):
+    reader = FakeReader(stats={"captures_after_ready": 1, "recompiles_after_ready": 0, "kv_blocks_used": 12,
+                               "engine_ready": 1})
+    reader.stat_gauges = type(tiny_reader).stat_gauges  # type: ignore[attr-defined]  # the hf reader's own list
+    types = {f.name: f.type for f in text_string_to_metric_families(watched(FakeServices(reader)).exposition().decode())}
+    assert types["djev_fake_engine_captures_after_ready"] == "counter"  # a count, though it ends in _ready
+    assert types["djev_fake_engine_recompiles_after_ready"] == "counter"
+    assert types["djev_fake_engine_engine_ready"] == "gauge"  # a level named *_ready stays a gauge
+    assert types["djev_fake_engine_kv_blocks_used"] == "gauge"
+
+
 def test_a_reader_without_a_queue_depth_exports_no_made_up_one():
     samples = scrape(watched(FakeServices(FakeReader(stats={"reads": 1}))))
     assert not [key for key in samples if key[0] == "djev_queue_depth"]
