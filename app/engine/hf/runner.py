@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Generator, Sequence
+from typing import TYPE_CHECKING, Generator, Sequence, TypeVar
 
 import torch
 
@@ -61,6 +61,18 @@ CPU_STORE_BYTES = 16 * 2**30
 # Slot positions unembedded at once: their fp32 logits are SLOT_CHUNK x vocab (256 MiB for the
 # 262k vocabulary).
 SLOT_CHUNK = 256
+
+
+Result = TypeVar("Result")
+
+
+def run_steps(steps: Generator[None, None, Result]) -> Result:
+    """Drive a stepwise generator (`read_steps`, `start_steps`) to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 class DiffusionRunner:
@@ -203,12 +215,7 @@ class DiffusionRunner:
     def read(self, specs: Sequence[ReadSpec], preprocessed: Preprocessed | None = None) -> list[ReadResult | Exception]:
         """Reads stepped alone through the engine to their end (`read_steps`); a spec whose prompt cannot
         be read gets its exception instead."""
-        steps = self.read_steps(specs, preprocessed)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as stop:
-                return stop.value
+        return run_steps(self.read_steps(specs, preprocessed))
 
     def read_steps(self, specs: Sequence[ReadSpec],
                    preprocessed: Preprocessed | None = None) -> Generator[None, None, list[ReadResult | Exception]]:
@@ -237,13 +244,7 @@ class DiffusionRunner:
     def generate(self, spec: GenerateSpec, canvas_length: int) -> GenerateResult:
         """Block diffusion alone, a turn a step: denoise a random canvas until stable and confident (or
         the step cap), commit its argmax, repeat; stop at a stop id or `max_tokens`."""
-        starting = self.start_steps(spec, canvas_length)
-        while True:
-            try:
-                next(starting)
-            except StopIteration as stop:
-                gen: Generation = stop.value
-                break
+        gen = run_steps(self.start_steps(spec, canvas_length))
         ids: list[int] = []
         while True:
             chunk = self.step_generation(gen)

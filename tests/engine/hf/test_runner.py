@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from app.engine.base import EngineInputError, GenerateSpec, Prompt
+from app.engine.hf.runner import run_steps
 from app.engine.hf.sampler import nucleus, sample_step
 from tests.conftest import make_tiny_reader
 from tests.engine.hf.reference import reference_generate, reference_model
@@ -33,12 +34,7 @@ def prompt(reader) -> Prompt:
 
 def start(runner, spec: GenerateSpec, canvas_length: int):
     """A generation started: its prompt's turns run (`start_steps`), its `Generation` returned."""
-    steps = runner.start_steps(spec, canvas_length)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as started:
-            return started.value
+    return run_steps(runner.start_steps(spec, canvas_length))
 
 
 def turns_of(runner) -> int:
