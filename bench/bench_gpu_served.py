@@ -125,25 +125,8 @@ def served(args: argparse.Namespace) -> RandomServe:
 def scrape(server: Server, words: Sequence[str] = (*COUNTER_WORDS, *WORK_STATS)) -> dict[str, float]:
     """The engine counters of /metrics whose names hold one of `words`, by series (`picked` keeps
     a subset's)."""
-    import httpx
-
-    try:
-        text = httpx.get(server.url + "/metrics", timeout=10.0).text
-    except httpx.HTTPError:
-        return {}
-    series: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        name = key.split("{", 1)[0]
-        if name.endswith("_created") or not any(word in name for word in words):
-            continue
-        try:
-            series[key] = float(value)
-        except ValueError:
-            pass
-    return series
+    return {key: value for key, value in picked(read_metrics(server.url), words).items()
+            if not key.split("{", 1)[0].endswith("_created")}
 
 
 def picked(series: dict[str, float], words: Sequence[str]) -> dict[str, float]:
