@@ -78,10 +78,14 @@ class Program(Protocol):
 
 
 class Entry(Protocol):
-    """A queued job as the engine sees it: whose it is (`caller`) and its program (`work`)."""
+    """A queued job as the engine sees it: whose it is (`caller`), whether it is heavy (more than a
+    turn's work by nature) and its program (`work`)."""
 
     @property
     def caller(self) -> int: ...
+
+    @property
+    def heavy(self) -> bool: ...
 
     @property
     def work(self) -> Program: ...
@@ -156,19 +160,28 @@ class FlatEngine:
         turn (and one being prepared) are released and named in it; the others keep their state."""
         runner = self.runner
         asked: dict[int, list[Part]] = {}
-        canvases = 0
+        canvases = light_canvases = 0
+        # While heavy work waits, light work reads at most half the turn's canvases (as compose gives
+        # each kind at most half its tokens): a stream of light reads never keeps heavy canvases out.
+        light_rows = runner.max_rows // 2 if len({entry.heavy for entry in queue}) > 1 else runner.max_rows
         preparing: list[Entry] = []  # the entry being prepared or asked: a failure there is its own
 
         def ask(entry: Entry, room: int) -> int:
-            nonlocal canvases
+            nonlocal canvases, light_canvases
             work = entry.work
             preparing[:] = [entry]
             if not work.prepared:
                 self._prepare(work)
-            parts = work.parts(self.store, room, runner.prefill_chunk, runner.max_rows - canvases)
+            rows = runner.max_rows - canvases
+            if not entry.heavy:
+                rows = min(rows, light_rows - light_canvases)
+            parts = work.parts(self.store, room, runner.prefill_chunk, max(0, rows))
             preparing.clear()
             asked.setdefault(id(work), []).extend(parts)
-            canvases += sum(1 for part in parts if part.kind is Kind.CANVAS)
+            taken = sum(1 for part in parts if part.kind is Kind.CANVAS)
+            canvases += taken
+            if not entry.heavy:
+                light_canvases += taken
             return sum(part.tokens for part in parts)
 
         ran: list[Entry] = []
@@ -321,3 +334,4 @@ class Solo:
 
     work: Program
     caller: int = 0
+    heavy: bool = False

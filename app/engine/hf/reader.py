@@ -154,9 +154,9 @@ class HFReader:
 
     Each turn the loop hands the queue, in its fair order, to the engine (`FlatEngine.step`), which
     takes what fits TURN_TOKENS: every job's next chunk or canvas step, one caller at most half the
-    turn while others wait. After the turn the jobs that waited keep their place, new jobs follow, and
-    heavy work that ran goes behind them (`_loop`), so a read waits at most about one turn behind any
-    heavy request. Work whose caller went away (its awaiting task cancelled) is dropped at the next
+    turn while others wait, light and heavy work each at most half while the other waits. After the
+    turn light work goes first and heavy work behind it (`_loop`), so a read waits at most about one
+    turn behind any number of heavy requests. Work whose caller went away (its awaiting task cancelled) is dropped at the next
     turn, its blocks released, and a running generation stops there.
 
     Images the engine thread would have to decode are preprocessed in `image_workers` threads before
@@ -391,8 +391,9 @@ class HFReader:
         queue order for what it runs within the token budget, shared fairly among callers. After the
         turn the queue is ordered by `scheduler.after_turn`: light work first (a light read the budget
         split before the reads that came since), then heavy work (what waited, what arrived, what ran),
-        a heavy job that waited STARVED_TURNS turns ahead of everything: a steady client's read waits
-        about one turn behind any number of heavy requests."""
+        a heavy job that waited STARVED_TURNS turns ahead of the other heavy work. With the turn's shares
+        (each kind at most half while the other waits) a steady client's read waits about one turn
+        behind any number of heavy requests, and light work never keeps heavy work out."""
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
         dropped: list[ReadProgram | GenerateProgram] = []

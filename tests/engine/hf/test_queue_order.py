@@ -1,6 +1,8 @@
 """The queue's order after a turn (`scheduler.after_turn`): light work first, a light read the budget
 split before the reads that came since, heavy work behind it, and a heavy job that waited too long
-ahead of everything; on the tiny model, a steady read waits about one turn behind many heavy ones."""
+ahead of the other heavy work. Turn by turn with `compose`'s shares: a steady read waits about one
+turn behind any number of heavy requests, and a stream of light reads never keeps heavy work out. On
+the tiny model, a steady read waits about one turn behind many heavy ones."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import asyncio
 from dataclasses import dataclass
 
 from app.engine.base import current_caller, new_caller
-from app.engine.hf.scheduler import STARVED_TURNS, after_turn
+from app.engine.hf.scheduler import STARVED_TURNS, after_turn, compose
 from tests.conftest import make_tiny_reader
 from tests.engine.hf.test_reader import spec_for
 
@@ -18,6 +20,13 @@ class Job:
     name: str
     heavy: bool
     passed: int = 0
+    want: int = 0  # tokens of work, for the turn-by-turn runs
+    caller: int = 0
+
+    def ask(self, room: int) -> int:
+        tokens = min(self.want, room)
+        self.want -= tokens
+        return tokens
 
 
 def names(jobs) -> list[str]:
@@ -33,12 +42,49 @@ def test_light_work_goes_first_and_a_split_read_before_newer_ones():
     assert (heavy_ran.passed, heavy_waited.passed, split.passed, light_waited.passed) == (0, 1, 0, 1)
 
 
-def test_a_heavy_job_that_waited_too_long_goes_ahead_of_everything():
-    starving, light = Job("H", True, passed=STARVED_TURNS - 1), Job("L", False)
-    assert names(after_turn([starving, light], [], ran=set())) == ["H", "L"]
+def test_a_heavy_job_that_waited_too_long_goes_ahead_of_the_other_heavy_work():
+    starving, light, other = Job("H", True, passed=STARVED_TURNS - 1), Job("L", False), Job("H2", True)
+    assert names(after_turn([other, starving, light], [], ran={id(other)})) == ["L", "H", "H2"]
     assert starving.passed == STARVED_TURNS
     assert names(after_turn([light, starving], [], ran={id(starving)})) == ["L", "H"]  # it ran: back in line
     assert starving.passed == 0
+
+
+def run_turns(queue: list[Job], budget: int, turns: int, arrivals=lambda turn: []) -> list[list[str]]:
+    """Turn after turn as the reader runs them: `compose` over the queue, then `after_turn`; the names
+    of each turn's work. A job is finished when it has no tokens left."""
+    taken: list[list[str]] = []
+    for turn in range(turns):
+        ran = compose(queue, budget, lambda job, room: job.ask(room))
+        taken.append(names(ran))
+        unfinished = [job for job in queue if job.want]
+        queue[:] = after_turn(unfinished, arrivals(turn), {id(job) for job in ran})
+    return taken
+
+
+def test_a_steady_read_waits_one_turn_behind_any_number_of_starved_heavy_requests():
+    # 25 heavy requests, each more than half a turn of work: a turn holds two of them, so after a few
+    # turns most are starved. A steady read that arrives then still runs in the next turn.
+    heavy = [Job(f"H{n}", True, want=3000, caller=n + 1) for n in range(25)]
+    queue = list(heavy)
+    run_turns(queue, 1000, 8)
+    assert sum(job.passed >= STARVED_TURNS for job in queue) > 2
+    steady = Job("S", False, want=40, caller=99)
+    taken = run_turns(queue, 1000, 1, arrivals=lambda turn: [steady])  # it arrives during this turn
+    taken += run_turns(queue, 1000, 1)
+    assert "S" in taken[1] and steady.want == 0
+
+
+def test_a_stream_of_light_reads_never_keeps_heavy_work_out():
+    heavy = Job("H", True, want=2000, caller=1)
+    callers = iter(range(100, 10_000))
+
+    def light(turn: int) -> list[Job]:  # more light work every turn than a turn holds
+        return [Job(f"L{turn}.{n}", False, want=100, caller=next(callers)) for n in range(20)]
+
+    queue = [heavy, *light(-1)]
+    taken = run_turns(queue, 1000, 6, arrivals=light)
+    assert all("H" in turn for turn in taken[:4]) and heavy.want == 0  # half of every turn, 4 turns
 
 
 def test_a_steady_read_waits_about_one_turn_behind_many_heavy_requests(tiny_dir, tokenizer):

@@ -1,5 +1,6 @@
 """The flat turn's token budget (app/engine/hf/scheduler.py `compose`), with stand-in work: queue
-order, what does not fit waits, and one caller takes at most half a turn while others wait."""
+order, what does not fit waits, one caller takes at most half a turn while others wait, and light and
+heavy work each take at most half while the other waits."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ class Stand:
     caller: int
     want: int
     piece: int = 1
+    heavy: bool = False
     took: list[int] = field(default_factory=list)
 
     def ask(self, room: int) -> int:
@@ -54,3 +56,13 @@ def test_one_caller_takes_at_most_half_a_turn_while_another_waits_then_the_rest(
 def test_nothing_to_run_takes_no_part():
     done, busy = Stand(1, 0), Stand(2, 10)
     assert turn([done, busy], 100) == [busy]
+
+
+def test_light_and_heavy_work_each_take_at_most_half_a_turn_while_the_other_waits():
+    # One caller (a decision) with both kinds, so only the kinds' shares hold in the first walk.
+    light = [Stand(1, 300), Stand(1, 300)]
+    heavy = Stand(1, 5000, heavy=True)
+    assert turn([*light, heavy], 1000) == [*light, heavy]
+    assert [work.took for work in light] == [[300], [200]] and heavy.took == [500]
+    alone = [Stand(1, 300), Stand(1, 300), Stand(1, 600)]
+    assert turn(alone, 1000) == alone and alone[2].took == [400]  # one kind: no shares

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import pytest
 
@@ -40,10 +41,13 @@ def test_a_failed_turn_fails_its_own_read_releases_its_blocks_and_the_queued_rea
     flat = reader.runner.flat
     forward = flat.turn.forward
     turns: list[int] = []
+    started, queued = threading.Event(), threading.Event()
 
     def broken_first(layout, sequences, inputs):
         turns.append(layout.tokens)
         if len(turns) == 1:
+            started.set()
+            queued.wait(10)  # the short read is queued while this turn runs
             raise RuntimeError("the model fell over")
         return forward(layout, sequences, inputs)
 
@@ -55,7 +59,12 @@ def test_a_failed_turn_fails_its_own_read_releases_its_blocks_and_the_queued_rea
     async def scenario():
         await reader.start()
         try:
-            return await asyncio.gather(reader.read([long]), reader.read([short]), return_exceptions=True)
+            first = asyncio.create_task(reader.read([long]))
+            await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+            second = asyncio.create_task(reader.read([short]))
+            await asyncio.sleep(0.05)
+            queued.set()
+            return await asyncio.gather(first, second, return_exceptions=True)
         finally:
             await reader.stop()
 

@@ -88,8 +88,9 @@ def test_a_short_read_rides_the_turns_of_a_long_prompt(tiny_dir, tokenizer):
     asyncio.run(scenario())
     assert order == ["short 0", "short 1", "short 2", "long"]
     # Each short read rode the turn after the one running when it came, and added no turn of its own:
-    # the long prompt's chunks are all the turns there were (its canvases rode its last chunk).
-    assert max(waited) <= 1 and len(canvases) == chunks
+    # there were no more turns than the long prompt's chunks (its canvases rode its last chunk; a turn
+    # a short read shared may take two chunks, the second walk offering the room the read left).
+    assert max(waited) <= 1 and len(canvases) <= chunks
 
 
 def test_one_caller_takes_at_most_half_a_turn_while_another_waits(tiny_dir, tokenizer):
