@@ -50,7 +50,8 @@ def _segments(q_ptr, k_new_ptr, v_new_ptr, k_pool_ptr, v_pool_ptr, o_ptr, segmen
               q_row, q_head, kn_row, kn_head, vn_row, vn_head, kp_slot, kp_head, vp_slot, vp_head,
               o_row, o_head, heads, groups, scale,
               DIM: tl.constexpr, PART: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_TOKENS: tl.constexpr, FIELDS: tl.constexpr, INTERPRETED: tl.constexpr):
+              BLOCK_TOKENS: tl.constexpr, FIELDS: tl.constexpr, INTERPRETED: tl.constexpr,
+              PRECISION: tl.constexpr):
     item = tl.program_id(0)
     head = tl.program_id(1)
     part = tl.program_id(2)
@@ -100,7 +101,7 @@ def _segments(q_ptr, k_new_ptr, v_new_ptr, k_pool_ptr, v_pool_ptr, o_ptr, segmen
                     mask=key_ok[None, :], other=0.0)
         if INTERPRETED:
             k = k.to(tl.float32)
-        scores = tl.dot(q, k) * log2_scale
+        scores = tl.dot(q, k, input_precision=PRECISION) * log2_scale
         visible = (key_ok[None, :] & ((key_pos[None, :] <= positions[:, None]) | canvas)
                    & ((key_pos[None, :] > positions[:, None] - window) | unbanded))
         scores = tl.where(visible, scores, float("-inf"))
@@ -114,7 +115,7 @@ def _segments(q_ptr, k_new_ptr, v_new_ptr, k_pool_ptr, v_pool_ptr, o_ptr, segmen
         weights = probs.to(v_pool_ptr.dtype.element_ty)
         if INTERPRETED:
             weights, v = weights.to(tl.float32), v.to(tl.float32)
-        acc = acc * rescale[:, None] + tl.dot(weights, v)
+        acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision=PRECISION)
         peak = new_peak
 
     # A canvas's own keys, after the stored ones: every canvas token sees every other.
@@ -125,7 +126,7 @@ def _segments(q_ptr, k_new_ptr, v_new_ptr, k_pool_ptr, v_pool_ptr, o_ptr, segmen
                     mask=key_ok[None, :], other=0.0)
         if INTERPRETED:
             k = k.to(tl.float32)
-        scores = tl.where(key_ok[None, :], tl.dot(q, k) * log2_scale, float("-inf"))
+        scores = tl.where(key_ok[None, :], tl.dot(q, k, input_precision=PRECISION) * log2_scale, float("-inf"))
         new_peak = tl.maximum(peak, tl.max(scores, 1))
         shift = tl.where(new_peak == float("-inf"), 0.0, new_peak)
         rescale = tl.exp2(peak - shift)
@@ -136,7 +137,7 @@ def _segments(q_ptr, k_new_ptr, v_new_ptr, k_pool_ptr, v_pool_ptr, o_ptr, segmen
         weights = probs.to(v_new_ptr.dtype.element_ty)
         if INTERPRETED:
             weights, v = weights.to(tl.float32), v.to(tl.float32)
-        acc = acc * rescale[:, None] + tl.dot(weights, v)
+        acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision=PRECISION)
         peak = new_peak
 
     out = acc / total[:, None]
@@ -178,6 +179,8 @@ def segment_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
                     heads, heads // kv_heads, scale,
                     DIM=dim, PART=dim // parts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_TOKENS=block_tokens,
                     FIELDS=SEGMENT_FIELDS, INTERPRETED=INTERPRETED,
+                    # float32 (the numerics checks) in full precision, not TF32; ignored for bf16 operands
+                    PRECISION="ieee" if queries.dtype == torch.float32 else "tf32",
                     num_warps=warps, num_stages=stages)  # pyright: ignore[reportCallIssue]
     return out
 
