@@ -181,8 +181,8 @@ class StreamSettings:
     max_session_fps: float = field(default=4.0, metadata=_meta(
         "MAX_SESSION_FPS", "the fastest a camera session is asked to send (next_frame_ms never below 1000 / this)"))
     session_capacity_start: float = field(default=8.0, metadata=_meta(
-        "SESSION_CAPACITY_START", "camera frames/s the engine is assumed to answer until it has been measured "
-        "(conservative: more sessions are admitted as more is measured)"))
+        "SESSION_CAPACITY_START", "camera frames/s the engine is assumed to answer until it has been measured, "
+        "where the engine measured less (or nothing) at start-up; more sessions are admitted as more is measured"))
     session_headroom: float = field(default=0.8, metadata=_meta(
         "SESSION_HEADROOM", "share of the measured camera capacity that admission may promise to sessions"))
     session_window: float = field(default=3.0, metadata=_meta(

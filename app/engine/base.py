@@ -212,6 +212,7 @@ class ReaderInfo:
     canvas_length: int
     checkpoint: str = ""
     max_prompt_tokens: int = 0  # the longest prompt this engine reads (0: not said)
+    frame_rate: float = 0.0  # camera frames a second read at start-up, many at once (0: not measured)
 
 
 class EngineError(Exception):

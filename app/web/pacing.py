@@ -32,10 +32,12 @@ shares it out), which runs ahead of the capacity to find out whether the engine 
   PROBE_GAIN more a window.
 - Any other window (too few answers fresh, a pace the sessions did not press) says nothing new.
 
-Both start from `capacity_start`, a conservative prior: a session admitted on an optimistic guess can
-never be closed again, so the server admits only what it has seen it can serve, and more once it has
-measured more. A probe that overshoots costs one window of answers about PROBE_GAIN times older; it
-never admits anyone, since admission reads the capacity, not the pace.
+Both start from `capacity_start`, a conservative prior, or from what the engine measured itself at
+start-up where that is more (`start_from`: the hf engine reads a burst of frames before `ready`): a
+session admitted on an optimistic guess can never be closed again, so the server admits only what it
+has seen it can serve, and more once it has measured more. A probe that overshoots costs one window
+of answers about PROBE_GAIN times older; it never admits anyone, since admission reads the capacity,
+not the pace.
 
 A session is admitted while (sessions + 1) x min_session_fps <= capacity x headroom; a server with no
 session open always admits one (a lone camera crowds nobody out). Admitted sessions are never closed
@@ -120,6 +122,15 @@ class Pacer:
         self._bound = 0
         self._busy_start: float | None = None  # the engine's busy ms when the window began, if known
 
+    def start_from(self, rate: float) -> bool:
+        """The engine's own measure of the camera frames a second it reads (`ReaderInfo.frame_rate`,
+        taken at start-up): capacity and pace start there where it is more than they are and no window
+        has measured them yet. Returns whether it raised them."""
+        if self.measured or not rate > self.capacity:
+            return False
+        self.capacity = self.pace = float(rate)
+        return True
+
     # ------------------------------------------------------------------ sessions
 
     def admit(self, session: str) -> SessionAdmission:
@@ -131,6 +142,10 @@ class Pacer:
                                     f"~{each:.1f} answers/s each; try again later")
         self.sessions.add(session)
         return SessionAdmission(True)
+
+    def admissible(self) -> int:
+        """How many sessions the capacity admits in all (at least one)."""
+        return max(1, math.floor(self.capacity * self.rules.headroom / self.rules.min_session_fps + 1e-9))
 
     def leave(self, session: str) -> None:
         self.sessions.discard(session)

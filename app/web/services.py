@@ -13,6 +13,7 @@ phase). Once loaded, `use(reader)` puts the real reader in its place.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from app.engine.base import EngineUnavailable, Reader
 from app.web.admission import Admission
 from app.web.metrics import Metrics
 from app.web.pacing import Pacer, PacingRules
+
+log = logging.getLogger("djev.stream")
 
 T = TypeVar("T")
 
@@ -82,6 +85,7 @@ class Services:
             built._decider = built._new_decider(reader)
         except EngineUnavailable:
             pass  # the model is starting: the decider is built over it once it is loaded (`use`)
+        built._start_pacer(reader)
         return built
 
     @property
@@ -102,6 +106,16 @@ class Services:
         decider = self._new_decider(reader)
         with self._decider_lock:
             self.reader, self._decider = reader, decider
+        self._start_pacer(reader)
+
+    def _start_pacer(self, reader: Reader) -> None:
+        """Camera admission from the frame rate the engine measured at start-up, where it measured one
+        above SESSION_CAPACITY_START."""
+        rate = reader.info.frame_rate
+        if self.pacer.start_from(rate):
+            log.info("camera capacity: %.1f frames/s, as the engine measured it at start-up (admits %d sessions "
+                     "at MIN_SESSION_FPS)", rate, self.pacer.admissible())
+            self.metrics.paced(self.pacer.capacity, self.pacer.pace, self.pacer.next_frame_ms())
 
     def _new_decider(self, reader: Reader) -> Decider:
         # The decider plans in the same bounded pool as parsing and validation.

@@ -271,3 +271,16 @@ def test_without_busy_time_nothing_is_extrapolated():
         p.answered(index / 8, 0.1, 500, False)
     window = p.answered(RULES.window_s, 0.1, 500, False)
     assert window is not None and window.verdict != "extrapolated"
+
+
+def test_the_engines_start_up_frame_rate_raises_the_prior_until_a_window_measures():
+    p = pacer()
+    assert not p.start_from(6.0) and p.capacity == 8.0  # below the prior: the prior stands
+    assert p.start_from(40.0) and p.capacity == p.pace == 40.0 and not p.measured
+    # (n + 1) x 1.5 <= 40 x 0.8 = 32: twenty-one sessions at open, with no window measured.
+    assert p.admissible() == 21
+    assert all(p.admit(f"s{i}").admitted for i in range(21)) and not p.admit("s21").admitted
+    measured = pacer()
+    end = feed(measured, 0.0, 5.0, 2.0, age_s=1.0, interval_ms=500)  # engine-bound: saturated at 5/s
+    closing(measured, end, 1.0, 500)
+    assert measured.measured and not measured.start_from(40.0)  # a measurement outranks the start-up's

@@ -5,6 +5,7 @@ fresh while the estimate learns the engine, and /metrics counting it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -159,3 +160,19 @@ def test_an_engine_that_says_it_is_mostly_idle_admits_many_more_cameras_within_a
             ws.close()
         for camera in cameras:
             camera.ws.close()
+
+
+def test_cameras_are_admitted_from_the_frame_rate_the_engine_measured_at_start_up(tokenizer):
+    """An engine whose ReaderInfo says it read 40 frames a second at start-up (the hf engine's frame
+    probe): twenty cameras opened at once are all admitted, before any window has measured."""
+    reader = BatchingReader(tokenizer, batch=8, pass_s=0.01)
+    reader.info = dataclasses.replace(reader.info, frame_rate=40.0)
+    app = create_app(Settings.of(session_window=1.0), reader)
+    with live_server(app) as url:
+        pacer = app.state.services.pacer
+        cameras = [opened(url) for _ in range(20)]
+        assert len(pacer.sessions) == 20 and not pacer.measured
+        metrics = parse(httpx.get(f"{url}/metrics").text)
+        assert value(metrics, "djev_stream_capacity_fps") == pytest.approx(40.0)
+        for ws, _ in cameras:
+            ws.close()

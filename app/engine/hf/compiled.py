@@ -32,6 +32,11 @@ def vision_layers(model: DiffusionGemmaForBlockDiffusion) -> list[nn.Module]:
     return list(getattr(encoder, "layers", ()))
 
 
+def reads_images(runner: DiffusionRunner) -> bool:
+    """Whether the runner reads images: it has an image processor and its model a vision tower."""
+    return getattr(runner, "image_processor", None) is not None and bool(vision_layers(runner.model))
+
+
 def configure_thread() -> None:
     """torch.compile's limits for the calling thread: torch keeps them per thread, so every thread
     that runs the model calls this (HFReader's engine thread does, at its start). A compiled piece past
@@ -95,7 +100,7 @@ def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
     chunk = runner.prefill_chunk
     if 2 * chunk + 64 <= runner.max_prompt_tokens:  # a long prompt's chunks: the first, a full one after it, a short last
         timed("a long prompt", [_read_of(runner, tuple(base + i % 997 for i in range(2 * chunk + 64)), width)])
-    if getattr(runner, "image_processor", None) is not None and vision_layers(runner.model):
+    if reads_images(runner):
         timed("an image", [_read_of(runner, sample_image_prompt(runner), width)])
     # A multi-step read of several canvases: its second step reads a self-conditioning signal, a path
     # none of the reads above takes.
@@ -105,6 +110,40 @@ def warm_up(runner: DiffusionRunner, canvas_length: int) -> float:
     runner.images.features.clear()
     runner.stats.clear()  # the counters (and /metrics) start at the first request
     return time.perf_counter() - started
+
+
+# The start-up frame probe: this many camera frames read at once, each its own picture after a
+# prompt of FRAME_PROMPT_TOKENS text ids (about the walk page's first stage: its instructions and
+# criteria), twice: the first round untimed.
+FRAME_PROBE = 16
+FRAME_PROMPT_TOKENS = 200
+
+
+def measure_frames(runner: DiffusionRunner, canvas_length: int, frames: int = FRAME_PROBE) -> float:
+    """Camera frames a second the engine reads when `frames` come at once, each a new picture: what
+    camera admission starts from before any session has been measured (`ReaderInfo.frame_rate`).
+    The reads' blocks go back to the store, their features leave the LRU, and the counters start
+    again at zero."""
+    import time
+
+    from app.engine.base import ImageInput, Prompt
+
+    base = _text_base(runner)
+    image_id = runner.model.config.image_token_id
+    assert image_id is not None  # called only for a runner that reads images
+    width = max(4, canvas_length)
+    rate = 0.0
+    for round_ in range(2):
+        specs = [_read_of(runner, Prompt((*range(base + n, base + n + FRAME_PROMPT_TOKENS), int(image_id)),
+                                         (ImageInput(_grey_jpeg(shade=2 * (round_ * frames + n) % 251), "image/jpeg",
+                                                     "frame probe"),)), width)
+                 for n in range(frames)]
+        begun = time.perf_counter()
+        _read_all(runner, specs)
+        rate = frames / (time.perf_counter() - begun)
+    runner.images.features.clear()
+    runner.stats.clear()
+    return rate
 
 
 def sample_image_prompt(runner: DiffusionRunner) -> Prompt:
@@ -139,13 +178,13 @@ def _read_all(runner: DiffusionRunner, specs: list[ReadSpec]) -> None:
         raise RuntimeError(f"the warm-up read failed: {failed[0]}")
 
 
-def _grey_jpeg() -> bytes:
+def _grey_jpeg(shade: int = 128) -> bytes:
     """A small grey JPEG: the image processor pads every picture to the same patch budget, so its
-    shapes are a camera frame's."""
+    shapes are a camera frame's. Another `shade` is another picture (another digest)."""
     import io
 
     from PIL import Image
 
     buffer = io.BytesIO()
-    Image.new("RGB", (64, 48), (128, 128, 128)).save(buffer, "JPEG")
+    Image.new("RGB", (64, 48), (shade, shade, shade)).save(buffer, "JPEG")
     return buffer.getvalue()

@@ -68,6 +68,7 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
     `djev serve` builds it."""
     import torch
 
+    from app.engine.hf.compiled import reads_images
     from app.engine.hf.engine import budget_problem
     from app.engine.hf.parts import text_config
     from app.engine.hf.runner import DiffusionRunner
@@ -128,6 +129,13 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         log.info("compiling the model's layers and kernels before the first request ...")
         log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
     graph_bytes, faults = capture_graphs(runner, report) if runner.cuda_graphs else (0, [])
+    frame_rate = 0.0
+    if on_cuda and reads_images(runner):  # what camera admission starts from (app/web/pacing.py)
+        from app.engine.hf.compiled import FRAME_PROBE, measure_frames
+
+        report("measuring the camera frame rate", 0, 1)
+        frame_rate = measure_frames(runner, options.canvas_length)
+        log.info("camera frames: %.1f a second, %d read at once", frame_rate, FRAME_PROBE)
     # torch.compile's stance stays "default": under "eager_on_recompile" the passes that run outside
     # the graphs (the counted fallbacks) ran their pieces eagerly, 4x slower on the H200, while no
     # recompile happened under "default" in the same workloads (docs/benchmarks.md). A compile after
@@ -153,6 +161,7 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         canvas_length=options.canvas_length,
         checkpoint=checkpoint,
         max_prompt_tokens=runner.max_prompt_tokens,
+        frame_rate=frame_rate,
     )
     return HFReader(runner, tokenizer, info, options, degraded=degraded)
 

@@ -109,3 +109,18 @@ def test_compile_vision_compiles_the_vision_layers_alone(tiny_dir):
     assert all(getattr(layer.forward, "djev_split", False) for layer in vision)
     text = [*encoder_layers(runner.model), *decoder_layers(runner.model)]
     assert text and not any("forward" in vars(layer) for layer in text)
+
+
+def test_the_frame_probe_reads_distinct_frames_and_leaves_nothing_behind(tiny_dir):
+    runner = make_tiny_reader(tiny_dir).runner
+    read, specs = runner.read, []
+    runner.read = lambda batch, *rest: (specs.extend(batch), read(batch, *rest))[1]
+    rate = compiled.measure_frames(runner, canvas_length=16, frames=3)
+    assert rate > 0
+    assert len(specs) == 6  # two rounds of three, the first untimed
+    digests = {image.data for spec in specs for image in spec.prompt.images}
+    assert len(digests) == 6  # every frame a new picture: none read from the KV store or the LRU
+    assert all(len(spec.prompt.ids) == compiled.FRAME_PROMPT_TOKENS + 1 for spec in specs)
+    assert len(runner.images.features) == 0
+    assert runner.flat.store.stats["blocks_used"] == 0
+    assert not runner.stats
