@@ -238,34 +238,79 @@ def load_level(url: str, clients: int, seconds: float, tag: str, body: Callable[
 
 async def _load_level(url: str, clients: int, seconds: float, tag: str, body: Callable[[str], dict[str, Any]],
                       timeout: float) -> dict[str, Any]:
-    import httpx
-
     latencies: list[float] = []
     errors: dict[str, int] = {}
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
-        started = time.perf_counter()
-        deadline = started + seconds
+    started = time.perf_counter()
+    deadline = started + seconds
 
-        async def closed_loop(client_no: int) -> None:
-            sent = 0
+    async def closed_loop(client_no: int) -> None:
+        connection = PostConnection(url)
+        sent = 0
+        try:
             while time.perf_counter() < deadline:
-                request = body(f"{tag}-{client_no}-{sent}")
+                request = json.dumps(body(f"{tag}-{client_no}-{sent}")).encode()
                 sent += 1
                 t0 = time.perf_counter()
                 try:
-                    response = await client.post("/v1/systemone", json=request)
-                    problem = None if response.status_code == 200 else f"HTTP {response.status_code}"
-                except httpx.HTTPError as exc:
+                    status = await asyncio.wait_for(connection.post("/v1/systemone", request), timeout)
+                    problem = None if status == 200 else f"HTTP {status}"
+                except (OSError, asyncio.TimeoutError, ValueError) as exc:
                     problem = type(exc).__name__
+                    connection.close()  # a broken or timed-out connection is not reused
+                    connection = PostConnection(url)
                 if problem is None:
                     latencies.append(time.perf_counter() - t0)
                 else:
                     errors[problem] = errors.get(problem, 0) + 1
+        finally:
+            connection.close()
 
-        await asyncio.gather(*(closed_loop(n) for n in range(clients)))
-        elapsed = time.perf_counter() - started
-    return {"latencies": latencies, "errors": errors, "elapsed_s": elapsed}
+    await asyncio.gather(*(closed_loop(n) for n in range(clients)))
+    return {"latencies": latencies, "errors": errors, "elapsed_s": time.perf_counter() - started}
+
+
+class PostConnection:
+    """One keep-alive HTTP/1.1 connection that POSTs JSON and reads the status and the whole body:
+    the closed-loop clients' transport. A general client (httpx) costs the load generator about 2 ms
+    of CPU a request at 32 connections and about 6 ms at 64 (its pool's bookkeeping grows with the
+    connections), and on a 2-core machine that CPU is the server's: the load generator, not the
+    server, set the tail. This costs a few tens of microseconds."""
+
+    def __init__(self, url: str) -> None:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, payload: bytes) -> int:
+        """POST `payload` (JSON) to `path`; the response's status, its body read and dropped."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        head = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        status = int(head[0].split(" ", 2)[1])
+        headers = {name.strip().lower(): value.strip() for name, _, value in
+                   (line.partition(":") for line in head[1:] if line)}
+        if "content-length" in headers:
+            await self.reader.readexactly(int(headers["content-length"]))
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            while size := int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                await self.reader.readexactly(size + 2)
+            await self.reader.readuntil(b"\r\n")
+        else:
+            raise ValueError("a response with neither Content-Length nor chunked encoding")
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+        return status
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
 
 
 # ---------------------------------------------------------------------------------------- camera clients
