@@ -122,8 +122,8 @@ FRAME_PROMPT_TOKENS = 200
 def measure_frames(runner: DiffusionRunner, canvas_length: int, frames: int = FRAME_PROBE) -> float:
     """Camera frames a second the engine reads when `frames` come at once, each a new picture: what
     camera admission starts from before any session has been measured (`ReaderInfo.frame_rate`).
-    The reads' blocks go back to the store, their features leave the LRU, and the counters start
-    again at zero."""
+    The reads' blocks go back to the store, their features leave the LRU, and the counters are put
+    back as they were (the graphs captured before it are counted there, for /metrics)."""
     import time
 
     from app.engine.base import ImageInput, Prompt
@@ -132,6 +132,7 @@ def measure_frames(runner: DiffusionRunner, canvas_length: int, frames: int = FR
     image_id = runner.model.config.image_token_id
     assert image_id is not None  # called only for a runner that reads images
     width = max(4, canvas_length)
+    counters = dict(runner.stats)
     rate = 0.0
     for round_ in range(2):
         specs = [_read_of(runner, Prompt((*range(base + n, base + n + FRAME_PROMPT_TOKENS), int(image_id)),
@@ -143,6 +144,7 @@ def measure_frames(runner: DiffusionRunner, canvas_length: int, frames: int = FR
         rate = frames / (time.perf_counter() - begun)
     runner.images.features.clear()
     runner.stats.clear()
+    runner.stats.update(counters)
     return rate
 
 
