@@ -119,6 +119,7 @@ class KernelPlan:
 
     layout: TurnLayout
     by_kind: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    tiles: dict[bool, tuple[int, int, int, int, int]]  # by kind of layer: the tile the items are cut for
 
 
 def kernel_metadata(layout: TurnLayout, sequences: Sequence[SequenceKV], sliding: bool, window: int,
@@ -160,13 +161,18 @@ class SegmentAttention:
         self.window = window
         shapes = {shape.sliding: shape.head_dim for shape in store.layers}
         dtype = store.pool_tensors(0)[0].dtype
-        self.tiles = {sliding: kernel.tile_for(dim, dtype) for sliding, dim in shapes.items()}
+        # by (sliding, long): a turn with a segment of kernel.LONG_ROWS query rows or more takes the long tiles
+        self.tiles = {(sliding, long): kernel.tile_for(dim, dtype, long) for sliding, dim in shapes.items()
+                      for long in (False, True)}
 
     def plan(self, layout: TurnLayout, sequences: Sequence[SequenceKV], device: torch.device | str) -> KernelPlan:
-        """The kernel's metadata for each kind of layer, in one copy to the device."""
+        """The kernel's metadata for each kind of layer, in one copy to the device, its work items cut
+        for the turn's tiles (the long ones where a segment has LONG_ROWS query rows or more)."""
+        long = any(item.end - item.start >= self.kernel.LONG_ROWS for item in layout.placed)
+        tiles = {sliding: tile for (sliding, is_long), tile in self.tiles.items() if is_long == long}
         lists: dict[bool, tuple[list[list[int]], list[list[int]], list[int]]] = {
             sliding: kernel_metadata(layout, sequences, sliding, self.window, self.store.block_tokens, tile[0])
-            for sliding, tile in self.tiles.items()}
+            for sliding, tile in tiles.items()}
         flat: list[int] = []
         sizes: list[tuple[int, int, int]] = []
         for segments, items, table in lists.values():
@@ -186,7 +192,7 @@ class SegmentAttention:
                              else data[offset:offset + count])
                 offset += count * width + (-(count * width) % ALIGN)
             by_kind[sliding] = (parts[0], parts[1], parts[2])
-        return KernelPlan(layout, by_kind)
+        return KernelPlan(layout, by_kind, tiles)
 
     def attend(self, layer: int, sliding: bool, scaling: float, queries: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, plan: KernelPlan, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -196,4 +202,4 @@ class SegmentAttention:
         key_pool, value_pool = self.store.pool_tensors(layer)
         segments, items, table = plan.by_kind[sliding]
         return self.kernel.segment_attention(queries, keys, values, key_pool, value_pool, out, segments, items, table,
-                                             scaling, block_tokens=self.store.block_tokens, tile=self.tiles[sliding])
+                                             scaling, block_tokens=self.store.block_tokens, tile=plan.tiles[sliding])

@@ -30,16 +30,24 @@ from triton.runtime.jit import JITFunction  # pyright: ignore[reportMissingImpor
 Q_START, Q_END, POSITION, KEY_START, KEY_END, OWN_START, OWN_END, WINDOW, TABLE, FIRST_BLOCK = range(10)
 SEGMENT_FIELDS = 10
 # (query rows a program holds, keys a step reads, warps, pipeline stages, parts of the head size the
-# accumulator is split into), per head size. A turn's segments are short (a canvas is 16 to 256
-# tokens, a prompt's tail as short), so a program holds 64 rows, not the chunk kernel's 128.
-TILES: dict[int, tuple[int, int, int, int, int]] = {512: (64, 64, 8, 1, 2), 256: (64, 64, 4, 1, 1)}
+# accumulator is split into), per head size, measured on an H100 (bench/bench_gpu_segments.py). A
+# turn's segments are mostly short (a canvas is 16 to 256 tokens, a new state's prompt a few hundred),
+# so a program holds 64 rows: the served ticket's turn in 0.160 ms a full-attention layer, where
+# (64, 64, 8, 1, 2) took 0.236. A turn with a segment of at least LONG_ROWS query rows (a long prompt's
+# chunk) takes LONG_TILES: 128 rows a program read the 100k earlier keys of a 1,024-row chunk in 18.4
+# ms a full-attention layer, 183 TFLOP/s, where (64, 64, 8, 1, 2) took 37.9; and its sliding layer in
+# 0.120 ms where (64, 64, 4, 1, 1) took 0.163.
+TILES: dict[int, tuple[int, int, int, int, int]] = {512: (64, 32, 8, 2, 1), 256: (64, 64, 4, 1, 1)}
+LONG_TILES: dict[int, tuple[int, int, int, int, int]] = {512: (128, 32, 8, 2, 2), 256: (128, 64, 8, 2, 1)}
+LONG_ROWS = 512
 SMALL_TILE = (32, 32, 4, 1, 1)  # any other head size (the tiny test model's)
 
 
-def tile_for(dim: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """The tile for a head size; 4-byte inputs (float32: the checks) take half the rows and keys, to
-    fit the tiles of a head size of 512 in shared memory."""
-    tile = TILES.get(dim, SMALL_TILE)
+def tile_for(dim: int, dtype: torch.dtype, long: bool = False) -> tuple[int, int, int, int, int]:
+    """The tile for a head size, in a turn with a segment of LONG_ROWS or more (`long`) or without;
+    4-byte inputs (float32: the checks) take half the rows and keys, to fit the tiles of a head size
+    of 512 in shared memory."""
+    tile = (LONG_TILES if long else TILES).get(dim, SMALL_TILE)
     if dtype.itemsize > 2:
         tile = (max(16, tile[0] // 2), max(16, tile[1] // 2), *tile[2:])
     return tile

@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from app.engine.hf.attention import ReferenceAttention, SegmentAttention  # noqa: E402
 from app.engine.hf.blocks import KVStore, LayerShape  # noqa: E402
 from app.engine.hf.layout import Kind, Segment, TurnLayout  # noqa: E402
+from app.engine.hf.segment_kernel import LONG_ROWS, tile_for  # noqa: E402
 
 WINDOW = 24  # the sliding window: shorter than the long prompts, so their early sliding blocks are released
 HEADS = 4
@@ -71,6 +72,20 @@ def turn(layers: list[LayerShape], dtype: torch.dtype, generator: torch.Generato
     return store, TurnLayout.of(segments), sequences
 
 
+def long_turn(layers: list[LayerShape], dtype: torch.dtype, generator: torch.Generator, device: str, rows: int):
+    """A long prompt's chunk of `rows` query rows (LONG_ROWS or more: the turn takes the long tiles)
+    after 300 positions written earlier, beside a canvas of 16 over a prompt of 40 written earlier."""
+    store = store_for(layers, dtype, device, window=128)
+    sequences = []
+    for earlier, later in ((300, rows), (40, 0)):
+        sequence = store.open([])
+        store.reserve(sequence, [(len(sequences), i) for i in range(earlier + later)])
+        fill(store, sequence, 0, earlier + later, generator)  # the chunk's own: the forward writes them first
+        store.mark_written(sequence, earlier)
+        sequences.append(sequence)
+    return store, TurnLayout.of([Segment(Kind.PROMPT, 0, rows, 300), Segment(Kind.CANVAS, 1, 16, 40)]), sequences
+
+
 def served_turn(layers: list[LayerShape], dtype: torch.dtype, generator: torch.Generator, device: str,
                 canvases: int, prompt: int, chunk: int):
     """The full size's window (1024) and a served turn's shapes: `canvases` canvases of 32, each over
@@ -90,10 +105,13 @@ def served_turn(layers: list[LayerShape], dtype: torch.dtype, generator: torch.G
 
 
 def compare(layers: list[LayerShape], dtype: torch.dtype, generator: torch.Generator, device: str = "cpu",
-            padding: int = 0, heads: int = HEADS, served: tuple[int, int, int] | None = None) -> dict:
+            padding: int = 0, heads: int = HEADS, served: tuple[int, int, int] | None = None,
+            long_rows: int = 0) -> dict:
     """The kernel against the reference on every layer: the largest difference, whether rows past the
-    turn's are left alone, and on CUDA each one's milliseconds a layer."""
-    if served is None:
+    turn's are left alone, the tiles the plan took, and on CUDA each one's milliseconds a layer."""
+    if long_rows:
+        store, layout, sequences = long_turn(layers, dtype, generator, device, long_rows)
+    elif served is None:
         store, layout, sequences = turn(layers, dtype, generator, device)
     else:
         store, layout, sequences = served_turn(layers, dtype, generator, device, *served)
@@ -129,7 +147,9 @@ def compare(layers: list[LayerShape], dtype: torch.dtype, generator: torch.Gener
     # Every part of the metadata starts on 16 bytes: Triton specialises on it, and a part off it would
     # compile the kernel again mid-serving.
     aligned = all(part.data_ptr() % 16 == 0 for parts in got_plan.by_kind.values() for part in parts)
-    return {"diff": largest, "padding_untouched": untouched, "aligned": aligned, "tokens": layout.tokens, **timings}
+    return {"diff": largest, "padding_untouched": untouched, "aligned": aligned, "tokens": layout.tokens,
+            "tiles": {"sliding" if sliding else "full": list(tile) for sliding, tile in got_plan.tiles.items()},
+            **timings}
 
 
 def timed(call, reps: int = 20) -> float:
@@ -156,7 +176,12 @@ def main() -> None:
         # the full size's head sizes: 512 (the accumulator split in two) and 256, one KV head
         "full_size_heads": compare([LayerShape(False, 1, 512), LayerShape(True, 2, 256)], torch.float32, generator,
                                    device),
+        # a long prompt's chunk: the turn takes the long tiles (128 rows a program in bf16, 64 in float32)
+        "long_chunk": compare([LayerShape(False, 1, 512), LayerShape(True, 2, 256)], torch.float32, generator,
+                              device, long_rows=LONG_ROWS + 40),
     }
+    results["long_chunk"]["long_tiles"] = {kind: list(tile_for(dim, torch.float32, long=True))
+                                           for kind, dim in (("full", 512), ("sliding", 256))}
     if device == "cuda":  # the full size's layers (16 query heads) at a served turn's shapes, bf16
         full_size = [LayerShape(False, 2, 512), LayerShape(True, 8, 256)]
         for canvases, prompt, chunk in ((1, 300, 16), (32, 300, 16), (32, 2000, 2048), (64, 600, 16)):

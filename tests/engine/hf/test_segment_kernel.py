@@ -35,6 +35,12 @@ def test_the_full_sizes_head_sizes_512_and_256_read_the_same(checked):
     assert checked["full_size_heads"]["diff"] < 1e-4, checked
 
 
+def test_a_long_prompts_chunk_takes_the_long_tiles_and_reads_the_same(checked):
+    long = checked["long_chunk"]
+    assert long["diff"] < 1e-4, long
+    assert long["tiles"] == long["long_tiles"] and long["tiles"] != checked["full_size_heads"]["tiles"]
+
+
 def test_rows_past_the_turns_tokens_are_neither_read_nor_written(checked):
     assert checked["padded"]["diff"] < 1e-5, checked
     assert all(case["padding_untouched"] for case in checked.values()), checked
