@@ -174,16 +174,30 @@ def test_probe_gpu_vision_tiny_runs(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_profile_gpu_tiny_runs(tmp_path):
-    result = run_bench("profile_gpu.py", "--states", "4", "--frames", "2", "--top", "5", out=tmp_path)
-    turns = json.loads((tmp_path / "profile_gpu.json").read_text())["turns"]
-    assert list(turns) == ["the ticket, 4 new states", "walk frames, 2 new"]
-    for turn in turns.values():
-        assert turn["reads"] == turn["of_reads"] and turn["prompt_tokens"] > 0 and turn["canvases"] == turn["reads"]
-        assert set(turn["families"]) == {"experts", "dense matmuls", "attention", "norms", "copies", "other"}
-        assert turn["families"]["attention"]["ms"] > 0 and turn["families"]["dense matmuls"]["ms"] > 0
-        assert abs(sum(family["ms"] for family in turn["families"].values()) - turn["total_ms"]) < 0.1
+    result = run_bench("profile_gpu.py", "--levels", "1,2", "--modes", "eager", "--top", "5", out=tmp_path)
+    data = json.loads((tmp_path / "profile_gpu.json").read_text())
+    turns = {(turn["mode"], turn["workload"], turn["level"]): turn for turn in data["turns"]}
+    assert list(turns) == [("eager", workload, level) for workload in ("ticket", "walk") for level in (1, 2)]
+    assert list(data["modes"]) == ["eager"] and "eager" in data["modes"]["eager"]
+    families = {"vision tower", "slot reads", "router and sort", "experts", "attention", "norms and rotary",
+                "dense projections", "copies", "other", "host between kernels"}
+    for (_, workload, level), turn in turns.items():
+        assert turn["reads"] == turn["of_reads"] == level and turn["prompt_tokens"] > 0 and turn["canvases"] == level
+        assert set(turn["families"]) == families
+        for name in ("attention", "dense projections", "slot reads", "router and sort", "norms and rotary"):
+            assert turn["families"][name]["ms"] > 0, (workload, level, name)
+        # Only the walk's turns run the vision tower (each frame new).
+        assert (turn["families"]["vision tower"]["ms"] > 0) == (workload == "walk")
+        kernels = sum(entry["ms"] for name, entry in turn["families"].items() if name != "host between kernels")
+        assert abs(kernels - turn["kernels_ms"]) < 0.1 and 0 < turn["busy_ms"] <= turn["wall_ms"] + 0.1
+        assert turn["families"]["host between kernels"]["ms"] == pytest.approx(turn["wall_ms"] - turn["busy_ms"], abs=0.01)
+        floor = turn["floor"]
+        assert floor["tokens"] == turn["prompt_tokens"] + turn["canvas_tokens"] and floor["floor_ms"] > 0
+        assert turn["over_floor"] == round(turn["busy_ms"] / floor["floor_ms"], 2)
         assert len(turn["top"]) == 5
-    assert "| op family |" in result["stdout"]
+    assert "| op family |" in result["stdout"] and result["stdout"].count("x the floor") == 4
+    assert "| mode | workload | requests |" in result["stdout"]
+    assert "still referenced" not in result["stdout"]  # the reader's model was given back after its mode
 
 
 @pytest.mark.timeout(300)
