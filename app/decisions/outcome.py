@@ -57,6 +57,7 @@ def assemble(
     engine: str,
     seconds: float,
     calibration: dict | None = None,
+    engine_seconds: float = 0.0,
 ) -> Outcome:
     by_question = {q.qid: g for g in groups for q in g.questions}
     asked = decision.asked()
@@ -127,7 +128,9 @@ def assemble(
         input_tokens=max(prompt_tokens) if prompt_tokens else 0,
         output_tokens=output_tokens,
         diagnostics=diagnostics,
-        summary=f"{' '.join(parts)} reads={reads} {total_ms:.0f}ms",
+        # the log line's time, and the longest a group waited for its reads: a decision slow outside
+        # the engine (planning, templates, the event loop) shows as the gap between the two
+        summary=f"{' '.join(parts)} reads={reads} {total_ms:.0f}ms (reads {engine_seconds * 1000:.0f}ms)",
         reads=reads,
     )
 

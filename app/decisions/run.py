@@ -213,6 +213,7 @@ class _Run:
         # through an adjustment: the calibration acts on a read after the prior is divided out
         self.prior_draws = dataclasses.replace(self.draws, seed=PRIOR_SEED)
         self.calibration = calibration  # what diagnostics say of the calibration applied: its file and hash
+        self.engine_s = 0.0  # the longest a group waited for its reads (the engine's queue and turns), seconds
         self.answered: dict[str, str | None] = {}  # qid -> the chosen alternative's name; None = skipped
         self.skipped: dict[str, Skip] = {}
         self.stages_read: list[list[str]] = []
@@ -272,7 +273,7 @@ class _Run:
         thought, thought_tokens = self.chain_thought()
         return await self.offload(
             assemble, self.d, self.plan, self.done, self.skipped, self.stages_read, thought, thought_tokens,
-            self.decider.reader.info.engine, time.monotonic() - started, self.calibration,
+            self.decider.reader.info.engine, time.monotonic() - started, self.calibration, self.engine_s,
         )
 
     def chain_thought(self) -> tuple[dict | list | None, int]:
@@ -346,7 +347,9 @@ class _Run:
         fresh: bool | None = None
         if self.d.debias.prior:
             adjust, fresh = await self.prior(view, shown, conditioned, chunked)
+        begun = time.monotonic()
         result = await self.draws.read(shown, canvas, Prompt(prompt.ids, self.d.images), self.d.samples, adjust)
+        self.engine_s = max(self.engine_s, time.monotonic() - begun)
         return _ViewRead(result, prompt, fresh)
 
     async def prior(self, view: _View, shown: list[Question], conditioned: bool, chunked: bool) -> tuple[Adjust, bool]:

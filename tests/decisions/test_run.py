@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 
@@ -509,3 +510,18 @@ def test_estimate_applies_the_adjustment_to_every_draw_before_averaging():
     assert flipped["q"].probs == pytest.approx((0.15, 0.85))
     assert [t["q"][0] for t in tops] == ["b", "b"]
     assert chain(None, None) is None and chain(flip) is flip
+
+
+def test_the_log_summary_says_how_long_the_reads_waited_beside_the_decisions_time(scripted):
+    read = scripted.read
+
+    async def slow(specs):  # the engine's queue and turns, as the decision sees them
+        await asyncio.sleep(0.05)
+        return await read(specs)
+
+    scripted.read = slow
+    outcome = decide(scripted, questions={"urgent": SCHEMA["urgent"]})
+    found = re.search(r" reads=\d+ (\d+)ms \(reads (\d+)ms\)$", outcome.summary)
+    assert found is not None, outcome.summary
+    total, reads = int(found[1]), int(found[2])
+    assert reads >= 50 and total >= reads
