@@ -87,8 +87,9 @@ def test_a_stream_of_light_reads_never_keeps_heavy_work_out():
     assert all("H" in turn for turn in taken[:4]) and heavy.want == 0  # half of every turn, 4 turns
 
 
-def test_a_steady_read_waits_about_one_turn_behind_many_heavy_requests(tiny_dir, tokenizer):
-    reader = make_tiny_reader(tiny_dir, turn_tokens=1024, prefill_chunk=512)
+def steady_waits(reader, tokenizer, burst: list, after_turns: int) -> list[int]:
+    """Send `burst` (each read its own caller's) to `reader`, then, once `after_turns` turns ran, three
+    steady reads one after another: the turns each waited from its arrival to the turn that read it."""
     turns: list[set[tuple[int, ...]]] = []  # each turn's canvases
     run = reader.runner.flat.turn.run
 
@@ -97,8 +98,6 @@ def test_a_steady_read_waits_about_one_turn_behind_many_heavy_requests(tiny_dir,
         return run(parts)
 
     reader.runner.flat.turn.run = seen
-    state = " ".join(f"word{i % 97} and{i % 13}" for i in range(400))  # ~1,500 tokens: 3 chunks of 512
-    heavy = [spec_for(tokenizer, f"{n} {state}", "q1: yes", [40 + n]) for n in range(6)]
     waited: list[int] = []
 
     async def as_caller(specs):
@@ -108,57 +107,36 @@ def test_a_steady_read_waits_about_one_turn_behind_many_heavy_requests(tiny_dir,
     async def scenario():
         await reader.start()
         try:
-            burst = [asyncio.create_task(as_caller([spec])) for spec in heavy]
-            while len(turns) < 2:  # the heavy requests fill turns
+            tasks = [asyncio.create_task(as_caller([spec])) for spec in burst]
+            while len(turns) < after_turns:
                 await asyncio.sleep(0.005)
             for n in range(3):
                 steady = spec_for(tokenizer, f"steady {n}", "q1: yes", [7 + n])
                 arrived = len(turns)
                 await as_caller([steady])
                 waited.append(next(i for i, turn in enumerate(turns) if steady.canvases[0] in turn) - arrived)
-            await asyncio.gather(*burst)
+            await asyncio.gather(*tasks)
         finally:
             await reader.stop()
 
     asyncio.run(scenario())
-    assert max(waited) <= 1  # the turn running when it came, then its own
+    return waited
+
+
+def test_a_steady_read_waits_about_one_turn_behind_many_heavy_requests(tiny_dir, tokenizer):
+    reader = make_tiny_reader(tiny_dir, turn_tokens=1024, prefill_chunk=512)
+    state = " ".join(f"word{i % 97} and{i % 13}" for i in range(400))  # ~1,500 tokens: 3 chunks of 512
+    heavy = [spec_for(tokenizer, f"{n} {state}", "q1: yes", [40 + n]) for n in range(6)]
+    # the turn running when it came, then its own
+    assert max(steady_waits(reader, tokenizer, heavy, after_turns=2)) <= 1
 
 
 def test_a_steady_read_waits_about_one_turn_behind_many_reads_of_a_third_of_a_turn(tiny_dir, tokenizer):
     # Reads that each fit a turn but take a third of it (a 200-question decision's reads, scaled to the
     # budget) are heavy: counted light, they went first and kept the steady read waiting turn after turn.
     reader = make_tiny_reader(tiny_dir, turn_tokens=1024, prefill_chunk=1024)
-    turns: list[set[tuple[int, ...]]] = []
-    run = reader.runner.flat.turn.run
-
-    def seen(parts):
-        turns.append({tuple(part.ids) for part in parts if part.kind.value == "canvas"})
-        return run(parts)
-
-    reader.runner.flat.turn.run = seen
     state = " ".join(f"word{i % 97} and{i % 13}" for i in range(60))  # ~390 tokens
     medium = [spec_for(tokenizer, f"{n} {state}", "q1: yes", [40 + n]) for n in range(16)]
     assert all(1024 // 4 < len(spec.prompt.ids) <= 1024 // 2 for spec in medium)
-    waited: list[int] = []
-
-    async def as_caller(specs):
-        current_caller.set(new_caller())
-        return await reader.read(specs)
-
-    async def scenario():
-        await reader.start()
-        try:
-            burst = [asyncio.create_task(as_caller([spec])) for spec in medium]
-            while len(turns) < 1:
-                await asyncio.sleep(0.005)
-            for n in range(3):
-                steady = spec_for(tokenizer, f"steady {n}", "q1: yes", [7 + n])
-                arrived = len(turns)
-                await as_caller([steady])
-                waited.append(next(i for i, turn in enumerate(turns) if steady.canvases[0] in turn) - arrived)
-            await asyncio.gather(*burst)
-        finally:
-            await reader.stop()
-
-    asyncio.run(scenario())
+    waited = steady_waits(reader, tokenizer, medium, after_turns=1)
     assert max(waited) <= 1, waited
