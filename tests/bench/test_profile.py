@@ -39,10 +39,10 @@ def test_full_shape_is_the_model_configs_arithmetic():
 
 
 def test_full_shape_is_the_built_models():
-    with torch.device("meta"):
-        from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers import DiffusionGemmaForBlockDiffusion
 
-        model = DiffusionGemmaForBlockDiffusion._from_config(full_config(), dtype=torch.bfloat16)
+    with torch.device("meta"):
+        model = DiffusionGemmaForBlockDiffusion(full_config()).to(torch.bfloat16)
     assert model_shape(model) == full_shape()
 
 
