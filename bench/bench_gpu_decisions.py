@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import sys
@@ -55,6 +54,7 @@ from bench.common import (  # noqa: E402
     markdown_table,
     named_compile_counts,
     numbers,
+    settle_device_and_out,
     write_json,
 )
 from bench.models import VISION_KERNELS, choose_vision_attention, random_model, served_name  # noqa: E402
@@ -504,13 +504,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=None, help="JSON file (default: $OUT/bench_gpu_decisions.json when $OUT is set)")
     args = parser.parse_args(argv)
-    import torch
-
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if not args.tiny and not args.device.startswith("cuda"):
-        parser.error("the full-size model needs a GPU; use --tiny to check the script on a CPU")
-    if args.out is None and os.environ.get("OUT"):
-        args.out = str(Path(os.environ["OUT"]) / "bench_gpu_decisions.json")
+    settle_device_and_out(parser, args, "bench_gpu_decisions.json")
     return args
 
 

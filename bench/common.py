@@ -101,6 +101,18 @@ class CollectorPauses:
                 "gc_longest_ms": round(max((ms for _, ms in self.pauses), default=0.0), 1)}
 
 
+def settle_device_and_out(parser: argparse.ArgumentParser, args: argparse.Namespace, out_name: str) -> None:
+    """A GPU bench's --device (default: CUDA where there is one; the full-size model refused off a GPU)
+    and --out (default: `out_name` under $OUT where $OUT is set)."""
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not args.tiny and not args.device.startswith("cuda"):
+        parser.error("the full-size model needs a GPU; use --tiny to check the script on a CPU")
+    if args.out is None and os.environ.get("OUT"):
+        args.out = str(Path(os.environ["OUT"]) / out_name)
+
+
 def at_least(low: int) -> Callable[[str], int]:
     """An argparse type: a whole number no less than `low` (a count of reps, frames, tokens)."""
     def whole(text: str) -> int:

@@ -48,7 +48,6 @@ import argparse
 import asyncio
 import functools
 import gc
-import os
 import random
 import sys
 import weakref
@@ -60,7 +59,18 @@ from typing import Any, Callable, Iterator, Sequence, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import at_least, device_sync, fmt, header, machine, markdown_table, numbers, timed_call, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    at_least,
+    device_sync,
+    fmt,
+    header,
+    machine,
+    markdown_table,
+    numbers,
+    settle_device_and_out,
+    timed_call,
+    write_json,
+)
 from bench.models import FULL_TEXT_CONFIG, load_random  # noqa: E402
 from bench.workload import WALK_REQUEST, frames, ticket_request  # noqa: E402
 
@@ -510,13 +520,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name}: one or more of {','.join(allowed)}, not {','.join(given) or 'none'}")
     if not args.levels:
         parser.error("--levels: at least one")
-    import torch
-
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if not args.tiny and not args.device.startswith("cuda"):
-        parser.error("the full-size model needs a GPU; use --tiny to check the script on a CPU")
-    if args.out is None and os.environ.get("OUT"):
-        args.out = str(Path(os.environ["OUT"]) / "profile_gpu.json")
+    settle_device_and_out(parser, args, "profile_gpu.json")
     return args
 
 
