@@ -20,7 +20,8 @@ configuration does, and why (docs/deploy.md, "Replicas behind HAProxy"):
   page as a bare 1006, which it retries every second). Leastconn sends the reconnect to the replica
   with the fewest cameras, so it lands where one closed. Past every server's limit, a handshake
   waits in HAProxy's queue up to `QUEUE_TIMEOUT_S` for a slot, which a refusal frees in
-  milliseconds.
+  milliseconds. With MAX_SESSIONS=0 (each replica holds what its card holds) no cap is written: every
+  replica refuses past its own limit with its 1013, and leastconn still spreads the cameras.
 - **Websockets pass through** with `timeout tunnel`: an open camera session is idle for HAProxy only
   while djev's own pings (uvicorn's, every 20 s) are not flowing, so the tunnel's limit is a
   backstop, not the liveness check.
@@ -117,8 +118,8 @@ class BalancerConfig:
         ids = [replica.id for replica in self.replicas]
         if len(set(ids)) != len(ids):
             problems.append(f"replica ids must differ: {', '.join(ids)}")
-        if self.max_sessions < 1:
-            problems.append("MAX_SESSIONS must be at least 1")
+        if self.max_sessions < 0:
+            problems.append("MAX_SESSIONS must be at least 0")
         if not 0 < self.http_port < 65536 or not 0 <= self.https_port < 65536 or not 0 <= self.stats_port < 65536:
             problems.append("the HTTP port must be a port, and the HTTPS and stats ports a port or 0")
         if self.https_port and not self.crt:
@@ -227,9 +228,14 @@ def render(config: BalancerConfig) -> str:
         "",
         "backend stream",
         "    balance leastconn",
-        "    # MAX_SESSIONS + 1: the one over the limit is refused by the replica itself, with its 1013 and reason.",
-        f"    default-server maxconn {config.max_sessions + 1}",
     ]
+    if config.max_sessions:
+        lines += [
+            "    # MAX_SESSIONS + 1: the one over the limit is refused by the replica itself, with its 1013 and reason.",
+            f"    default-server maxconn {config.max_sessions + 1}",
+        ]
+    else:
+        lines.append("    # MAX_SESSIONS=0: each replica takes what its card holds and refuses the next with its 1013.")
     lines += [f"    server {replica.id} {replica.address} track api/{replica.id}" for replica in config.replicas]
     if config.stats_port:
         lines += [

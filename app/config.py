@@ -128,6 +128,10 @@ class DecisionSettings:
         return problems
 
 
+# MAX_SESSIONS=0 where the engine says nothing of the camera sessions it holds (`ReaderInfo.max_sessions`).
+UNSAID_MAX_SESSIONS = 32
+
+
 @dataclass(frozen=True)
 class LimitSettings:
     """What one request, and the server at once, may ask for."""
@@ -154,13 +158,15 @@ class LimitSettings:
         "MAX_INFLIGHT_COST", "canvases plus thought tokens of the decisions in flight; more get 529"))
     request_timeout: float = field(default=120.0, metadata=_meta(
         "REQUEST_TIMEOUT", "seconds a decision or generation may take; then 504 and its queued work is dropped"))
-    max_sessions: int = field(default=32, metadata=_meta(
-        "MAX_SESSIONS", "camera sessions at once; more are refused with close code 1013"))
+    max_sessions: int = field(default=0, metadata=_meta(
+        "MAX_SESSIONS", "camera sessions at once; more are refused with close code 1013; 0 = as many as the engine "
+        f"holds (hf on CUDA: frames in flight in half the KV store, shown in /health; {UNSAID_MAX_SESSIONS} where "
+        "the engine does not say); camera capacity admits fewer while it measures less"))
 
     def problems(self) -> list[str]:
         problems = []
         for f in fields(self):
-            if f.name in ("max_think", "max_thought_tokens", "max_prompt_tokens"):
+            if f.name in ("max_think", "max_thought_tokens", "max_prompt_tokens", "max_sessions"):
                 if getattr(self, f.name) < 0:
                     problems.append(f"{f.metadata['env']} must be at least 0")
             elif f.name != "request_timeout" and getattr(self, f.name) < 1:

@@ -604,7 +604,8 @@ def report(results: dict[str, Any]) -> str:
         f"(HTTP {startup.get('first_status', '-')}), to ready (200) {startup.get('ready_s', '-')} s; "
         f"rows of {results['args']['seconds']:g} s (in-process twins {results['args']['twin_seconds']:g} s), "
         f"{results['args']['workers']} client processes; settings: "
-        + ", ".join(f"{key} {value}" for key, value in settings.items()),
+        + ", ".join(f"{key} {value}" for key, value in settings.items())
+        + f"; camera sessions at most {(startup.get('health') or {}).get('max_sessions', '-')} (/health)",
         "",
     ]
     built = results.get("compile_counts_at_ready")

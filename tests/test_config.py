@@ -46,6 +46,7 @@ def test_flags_override_the_environment(monkeypatch):
     ({"THOUGHT_PLACEMENT": "x"}, "THOUGHT_PLACEMENT"),
     ({"CANVAS": "8"}, "CANVAS must be 16 to 4096"),
     ({"MAX_INFLIGHT": "0"}, "MAX_INFLIGHT must be at least 1"),
+    ({"MAX_SESSIONS": "-1"}, "MAX_SESSIONS must be at least 0"),
     ({"BATCH_GATHER_ROWS": "-1"}, "BATCH_GATHER_ROWS must be at least 0, not -1"),
     ({"DEBIAS": "sorted"}, "DEBIAS must be one of off, canonical, rotate"),
     ({"DEBIAS": "prior+rotate"}, "DEBIAS must be one of"),

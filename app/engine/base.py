@@ -213,6 +213,7 @@ class ReaderInfo:
     checkpoint: str = ""
     max_prompt_tokens: int = 0  # the longest prompt this engine reads (0: not said)
     frame_rate: float = 0.0  # camera frames a second read at start-up, many at once (0: not measured)
+    max_sessions: int = 0  # camera sessions the engine holds at once (0: not said; MAX_SESSIONS=0 follows it)
 
 
 class EngineError(Exception):

@@ -68,6 +68,7 @@ async def health(request: Request) -> Response:
         "in_flight": svc.admission.in_flight,
         "in_flight_cost": svc.admission.cost,
         "sessions": len(svc.sessions),
+        "max_sessions": svc.max_sessions,  # camera sessions open at once (MAX_SESSIONS, or what the engine holds)
         "uptime_s": round(time.time() - svc.started, 1),
         "calibration": svc.calibration.identity() if svc.calibration is not None else None,
     }

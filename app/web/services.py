@@ -23,7 +23,7 @@ import anyio
 from starlette.requests import HTTPConnection
 
 from app.build import check_calibration, limits, load_calibration, read_settings
-from app.config import Settings
+from app.config import UNSAID_MAX_SESSIONS, Settings
 from app.decisions.calibration import Calibration
 from app.decisions.limits import Limits
 from app.decisions.plan import Plan
@@ -108,13 +108,19 @@ class Services:
             self.reader, self._decider = reader, decider
         self._start_pacer(reader)
 
+    @property
+    def max_sessions(self) -> int:
+        """The camera sessions open at once: MAX_SESSIONS, or with 0 what the engine holds
+        (`ReaderInfo.max_sessions`), or UNSAID_MAX_SESSIONS where it does not say."""
+        return self.settings.limits.max_sessions or self.reader.info.max_sessions or UNSAID_MAX_SESSIONS
+
     def _start_pacer(self, reader: Reader) -> None:
         """Camera admission from the frame rate the engine measured at start-up, where it measured one
         above SESSION_CAPACITY_START."""
         rate = reader.info.frame_rate
         if self.pacer.start_from(rate):
             log.info("camera capacity: %.1f frames/s, as the engine measured it at start-up (admits %d sessions "
-                     "at MIN_SESSION_FPS)", rate, self.pacer.admissible())
+                     "at MIN_SESSION_FPS; at most %d open)", rate, self.pacer.admissible(), self.max_sessions)
             self.metrics.paced(self.pacer.capacity, self.pacer.pace, self.pacer.next_frame_ms())
 
     def _new_decider(self, reader: Reader) -> Decider:

@@ -344,7 +344,7 @@ async def stream(websocket: WebSocket) -> None:
         reply = error_reply(services.reader.unavailable())
         await _close(websocket, reply.close_code, reply.message)
         return
-    limit = services.settings.limits.max_sessions
+    limit = services.max_sessions
     if len(services.sessions) >= limit:
         services.metrics.session_opened("refused_max_sessions")
         await _close(websocket, CLOSE_TRY_LATER, f"too many camera sessions: at most {limit}; try again later")

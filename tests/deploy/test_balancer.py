@@ -103,7 +103,7 @@ def test_tls_ends_at_the_balancer_with_djev_certs_file_and_http_1_1():
     (dict(replicas=(balancer.Replica("gpu 0", "h", 1),)), "replica id 'gpu 0'"),
     (dict(replicas=(balancer.Replica("a", "h", 70000),)), "port 70000 is not a port"),
     (dict(crt=""), "an HTTPS port needs the certificate file"),
-    (dict(max_sessions=0), "MAX_SESSIONS must be at least 1"),
+    (dict(max_sessions=-1), "MAX_SESSIONS must be at least 0"),
     (dict(user="root; x"), "is not a user name"),
 ])
 def test_bad_input_is_refused_by_name(changes, message):
@@ -131,7 +131,10 @@ def test_defaults_come_from_settings():
     text = balancer.render(balancer.BalancerConfig(
         replicas=balancer.replicas_on_ports(1, balancer.FIRST_REPLICA_PORT), max_sessions=settings.limits.max_sessions,
         request_timeout_s=settings.limits.request_timeout, bind=settings.server.host, http_port=settings.server.port))
-    assert f"default-server maxconn {settings.limits.max_sessions + 1}" in text
+    assert settings.limits.max_sessions == 0  # each replica holds what its card holds
+    stream = sections(text)["backend stream"]
+    assert not any("maxconn" in line for line in stream)  # the replicas refuse past their own limits
+    assert "MAX_SESSIONS=0: each replica takes what its card holds" in text
     assert f"bind {settings.server.host}:{settings.server.port}" in text
 
 

@@ -5,6 +5,7 @@ session or task is left behind."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -15,7 +16,7 @@ from starlette.routing import Route
 from websockets.sync.client import connect
 
 import app.web.stream as stream_module
-from app.config import Settings
+from app.config import UNSAID_MAX_SESSIONS, Settings
 from app.engine.base import EngineUnavailable
 from app.server import create_app
 from app.web.errors import CLOSE_INTERNAL, CLOSE_TRY_LATER
@@ -99,6 +100,32 @@ def test_one_session_past_max_sessions_is_refused_with_1013(tokenizer):
         assert_nothing_left(url, app)
         with connect(ws_url(url)) as ws:  # room again
             configure(ws)
+
+
+def test_max_sessions_0_takes_what_the_engine_holds(tokenizer):
+    reader = ScriptedReader(tokenizer)
+    reader.info = dataclasses.replace(reader.info, max_sessions=2)
+    app, server = serve(reader)  # MAX_SESSIONS=0, the default
+    with server as url:
+        assert httpx.get(url + "/health").json()["max_sessions"] == 2
+        open_sessions = [connect(ws_url(url)) for _ in range(2)]
+        try:
+            for ws in open_sessions:
+                receive(ws, "ready")
+            with connect(ws_url(url)) as extra:
+                assert "at most 2" in closed_with(extra, CLOSE_TRY_LATER)
+        finally:
+            for ws in open_sessions:
+                ws.close()
+        assert_nothing_left(url, app)
+
+
+@pytest.mark.parametrize(("setting", "engine", "limit"), [(0, 7, 7), (3, 7, 3), (0, 0, UNSAID_MAX_SESSIONS)])
+def test_the_session_limit_is_the_setting_else_the_engines_else_the_default(tokenizer, setting, engine, limit):
+    reader = ScriptedReader(tokenizer)
+    reader.info = dataclasses.replace(reader.info, max_sessions=engine)
+    app = create_app(Settings.of(max_sessions=setting), reader)
+    assert app.state.services.max_sessions == limit
 
 
 def test_an_engine_not_running_reaches_a_camera_as_503(tokenizer):

@@ -129,13 +129,17 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         log.info("compiling the model's layers and kernels before the first request ...")
         log.info("compiled and warmed up in %.1f s", warm_up(runner, options.canvas_length))
     graph_bytes, faults = capture_graphs(runner, report) if runner.cuda_graphs else (0, [])
-    frame_rate = 0.0
+    frame_rate, max_sessions = 0.0, 0
     if on_cuda and reads_images(runner):  # what camera admission starts from (app/web/pacing.py)
-        from app.engine.hf.compiled import FRAME_PROBE, measure_frames
+        from app.engine.hf.compiled import FRAME_PROBE, FRAME_PROMPT_TOKENS, measure_frames
+        from app.engine.hf.sizing import CAMERA_STORE_SHARE, camera_sessions
 
         report("measuring the camera frame rate", 0, 1)
         frame_rate = measure_frames(runner, options.canvas_length)
-        log.info("camera frames: %.1f a second, %d read at once", frame_rate, FRAME_PROBE)
+        frame_tokens = FRAME_PROMPT_TOKENS + largest_image(image_processor)
+        max_sessions = camera_sessions(runner.flat.plan.short_tokens, frame_tokens)
+        log.info("camera frames: %.1f a second, %d read at once; the KV store holds %d sessions' frames of %d tokens "
+                 "in %.0f %% of it", frame_rate, FRAME_PROBE, max_sessions, frame_tokens, 100 * CAMERA_STORE_SHARE)
     # torch.compile's stance stays "default": under "eager_on_recompile" the passes that run outside
     # the graphs (the counted fallbacks) ran their pieces eagerly, 4x slower on the H200, while no
     # recompile happened under "default" in the same workloads (docs/benchmarks.md). A compile after
@@ -162,6 +166,7 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         checkpoint=checkpoint,
         max_prompt_tokens=runner.max_prompt_tokens,
         frame_rate=frame_rate,
+        max_sessions=max_sessions,
     )
     return HFReader(runner, tokenizer, info, options, degraded=degraded)
 

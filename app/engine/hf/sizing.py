@@ -85,3 +85,17 @@ def plan_store(store_bytes: int, full_block_bytes: int, sliding_block_bytes: int
     longest = min(wanted_prompt_tokens, long_blocks * block_tokens)
     return StorePlan(full, sliding, full_block_bytes, sliding_block_bytes, block_tokens, longest,
                      wanted_prompt_tokens)
+
+
+# Camera sessions may fill at most this share of the store's short-prompt tokens with their frames; the
+# rest is the other reads'.
+CAMERA_STORE_SHARE = 0.5
+
+
+def camera_sessions(short_tokens: int, frame_tokens: int, share: float = CAMERA_STORE_SHARE) -> int:
+    """The camera sessions a store of `short_tokens` tokens of short prompts holds (`StorePlan.short_tokens`):
+    a session has one decision in flight, whose prompt (a frame's image and its instructions) takes
+    `frame_tokens` of the store; sessions take at most `share` of it. At least one."""
+    if frame_tokens < 1:
+        raise ValueError(f"a camera frame's prompt takes at least one token, not {frame_tokens}")
+    return max(1, int(short_tokens * share) // frame_tokens)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.engine.hf.blocks import BLOCK_TOKENS, LayerShape, block_bytes
-from app.engine.hf.sizing import floor_blocks, plan_store
+from app.engine.hf.sizing import CAMERA_STORE_SHARE, camera_sessions, floor_blocks, plan_store
 
 GiB = 2**30
 # The full size's layers: 5 full (2 KV heads x 512), 25 sliding (8 x 256), bf16: 320 KiB and 3.2 MiB a block.
@@ -56,3 +56,18 @@ def test_one_kind_of_layer_gets_one_pool():
     only_sliding = plan_store(2 * GiB, 0, SLIDING, block_tokens=BLOCK_TOKENS, window=1024, budget=4096,
                               wanted_prompt_tokens=8192)
     assert only_sliding.full_blocks == 0 and only_sliding.max_prompt_tokens == 8192
+
+
+def test_camera_sessions_fill_half_the_store_with_a_frame_each():
+    # An 80 GB card's 15 GiB store (bf16 weights) with the full-size model's frames (280 image + 200 text tokens).
+    split = plan(15.1)
+    sessions = camera_sessions(split.short_tokens, 480)
+    assert sessions == int(split.short_tokens * CAMERA_STORE_SHARE) // 480
+    assert 50 <= sessions <= 70  # more than the 32 a fixed MAX_SESSIONS allowed
+    assert camera_sessions(split.short_tokens, 480, share=1.0) == split.short_tokens // 480
+    assert camera_sessions(100, 480) == 1  # a store too small for one frame still holds one session
+
+
+def test_a_frame_of_no_tokens_is_refused():
+    with pytest.raises(ValueError, match="at least one token"):
+        camera_sessions(60_000, 0)
