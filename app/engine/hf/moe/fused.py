@@ -5,15 +5,19 @@ expert without a host sync (so it replays inside a CUDA graph), gate/up and down
 reading the tokens by index, and the weighted top-k sum left to the compiled layer piece. It follows
 the grouped_mm path's roundings step by step (only the order of fp32 accumulations differs;
 tests/engine/hf/moe/test_fused.py checks it through Triton's interpreter). Triton is imported
-lazily: the CPU install never needs it. Design and numbers: docs/design.md §4.7 and §5.2.
+lazily: the CPU install never needs it. A module whose banks are FP8 goes to the FP8 kernels
+(app/engine/hf/moe/fp8.py). Design and numbers: docs/design.md §4.7 and §5.2.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from app.engine.hf import fp8
+from app.engine.hf.moe import fp8 as fp8_moe
+from app.engine.hf.moe.pairs import ACTIVATIONS, BlockConfig, Tiles, align, pick_tiles, warm_up_tokens, weighted_sum
 
 if TYPE_CHECKING:
     from torch._library.custom_ops import CustomOpDef
@@ -21,16 +25,6 @@ if TYPE_CHECKING:
     from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaTextExperts
 
 IMPLEMENTATION = "djev_fused"  # the name registered in transformers' experts interface
-ACTIVATIONS = ("gelu_pytorch_tanh",)  # what the kernel computes (Gemma 4's experts)
-
-
-@dataclass(frozen=True)
-class BlockConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
 
 
 # Tiles by the pairs an expert gets on average, from bench/bench_gpu_moe.py --sweep on an H200
@@ -41,7 +35,7 @@ class BlockConfig:
 # tokens, 2.47 with DOWN_TILES. (A choice between the two made outside the custom op would be a size
 # guard in every compiled layer, recompiling each tile range of every shape on first use: seconds
 # each, measured on the H200.)
-TILES = ((8, BlockConfig(16, 64, 128, 4, 3)), (32, BlockConfig(32, 64, 128, 4, 3)), (64, BlockConfig(64, 64, 64, 4, 4)))
+TILES: Tiles = ((8, BlockConfig(16, 64, 128, 4, 3)), (32, BlockConfig(32, 64, 128, 4, 3)), (64, BlockConfig(64, 64, 64, 4, 4)))
 LARGE = BlockConfig(128, 128, 64, 8, 3)
 # The down kernel's own tiles where they differ (same block_m): its K is the expert FFN (704), and
 # wider blocks of hidden columns are 6 % faster there (2.47 vs 2.62 ms a layer at 10,240 tokens).
@@ -52,48 +46,7 @@ def block_config(pairs: int, experts: int) -> BlockConfig:
     """The kernels' tiles for `pairs` token-expert pairs over `experts`. Few pairs an expert: small
     blocks, each chosen expert's weights streamed once (memory-bound: 3.4 TB/s at one canvas,
     against grouped_mm's 2.5); many: large tiles that reuse each weight tile over more rows."""
-    per_expert = pairs / max(1, experts)
-    for limit, config in TILES:
-        if per_expert <= limit:
-            return config
-    return LARGE
-
-
-def align(top_k_index: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pairs, block_experts): the pair ids (token x top_k + slot) sorted by expert (stable), each
-    expert's run padded to a multiple of `block_m` with the sentinel tokens x top_k; and each block
-    of `block_m` entries' expert, or `experts` for the blocks past the last run (the kernels skip
-    them). Sizes depend only on the shapes: no host sync."""
-    flat = top_k_index.reshape(-1)
-    total = flat.numel()
-    device = flat.device
-    counts = torch.zeros(experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_ends = torch.cumsum(padded, 0)
-    padded_starts = padded_ends - padded
-    starts = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    expert_of = flat[order]
-    rank = torch.arange(total, device=device) - starts[expert_of]
-    capacity = -(-(total + experts * (block_m - 1)) // block_m) * block_m
-    pairs = torch.full((capacity,), total, dtype=torch.int32, device=device)
-    pairs[padded_starts[expert_of] + rank] = order.to(torch.int32)
-    block_starts = torch.arange(0, capacity, block_m, device=device)
-    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
-    return pairs, block_experts
-
-
-def weighted_sum(rows: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """Each token's top-k expert rows ([tokens x top_k, hidden], in the pairs' order) times their
-    routing weights, summed in fp32 slot by slot and rounded once to the rows' dtype."""
-    tokens, top_k = top_k_weights.shape
-    rows = rows.view(tokens, top_k, -1)
-    weights = top_k_weights.to(torch.float32).unsqueeze(-1)
-    total = rows[:, 0].to(torch.float32) * weights[:, 0]
-    for slot in range(1, top_k):
-        total = total + rows[:, slot].to(torch.float32) * weights[:, slot]
-    return total.to(rows.dtype)
+    return pick_tiles(pairs, experts, TILES, LARGE)
 
 
 def expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -170,7 +123,10 @@ def _custom_op() -> CustomOpDef:
 
 def experts_forward(module: DiffusionGemmaTextExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The forward transformers calls for a DiffusionGemma experts module under IMPLEMENTATION."""
+    """The forward transformers calls for a DiffusionGemma experts module under IMPLEMENTATION (a
+    module with FP8 banks goes through the FP8 kernels: app/engine/hf/moe/fp8.py)."""
+    if fp8_moe.has_fp8_banks(module):
+        return fp8_moe.fp8_experts_forward(module, hidden_states, top_k_index, top_k_weights)
     rows = _custom_op()(hidden_states, top_k_index, module.gate_up_proj, module.down_proj)
     return weighted_sum(rows, top_k_weights)
 
@@ -192,8 +148,9 @@ def unsupported(config: PreTrainedConfig) -> str | None:
 
 def use_fused_experts(model: DiffusionGemmaForBlockDiffusion) -> str | None:
     """Switch `model`'s experts to the kernels (registering IMPLEMENTATION in transformers' experts
-    interface); returns None, or why they cannot run it (the model keeps its implementation)."""
-    reason = unsupported(model.config)
+    interface); returns None, or why they cannot run it (the model keeps its implementation). A
+    model with FP8 experts gets the FP8 kernels (app/engine/hf/moe/fp8.py), where its GPU has them."""
+    reason = unsupported(model.config) or fp8_moe.fp8_problem(model)
     if reason is not None:
         return reason
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -203,31 +160,14 @@ def use_fused_experts(model: DiffusionGemmaForBlockDiffusion) -> str | None:
     return None
 
 
-# Token counts whose pairs pick each tile (with 128 experts x top-8: at most 128 tokens TILES[0], 512
-# TILES[1], 1024 TILES[2], past that LARGE), each odd and even: Triton specialises an int argument
-# divisible by 16 (`total` = tokens x top_k), so both variants of every tile are compiled.
-def warm_up_tokens(experts: int, top_k: int) -> list[int]:
-    """Token counts that between them compile every tile `block_config` can pick, each with its
-    pair count divisible by 16 and not (where top_k allows both)."""
-    counts: list[int] = []
-    for limit, _ in TILES:
-        most = max(1, int(limit * experts // max(1, top_k)))  # the most tokens this tile takes
-        counts += [most - 1, most] if most > 1 else [most]
-    largest = int(TILES[-1][0] * experts // max(1, top_k))
-    counts += [largest + 1, largest + 2]
-    return sorted(set(count for count in counts if count >= 1))
-
-
 def warm_up_experts(model: DiffusionGemmaForBlockDiffusion) -> float:
     """Compile every Triton tile a batch can pick before the server is ready, on the first experts
-    module's own weights; returns the seconds it took (nothing is compiled later: `compiled_kernels`
-    counts what was)."""
+    module's own weights (the FP8 kernels' tiles where its banks are FP8); returns the seconds it
+    took (nothing is compiled later: `compiled_kernels` counts what was)."""
     import time
 
-    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaTextExperts
-
     started = time.perf_counter()
-    experts_module = next((module for module in model.modules() if isinstance(module, DiffusionGemmaTextExperts)), None)
+    experts_module = next(iter(fp8_moe.experts_modules(model)), None)
     if experts_module is None:
         return 0.0
     gate_up = experts_module.get_parameter("gate_up_proj")
@@ -235,9 +175,13 @@ def warm_up_experts(model: DiffusionGemmaForBlockDiffusion) -> float:
     experts, _, hidden = gate_up.shape
     text = getattr(model.config, "text_config", model.config)
     top_k = int(getattr(text, "top_k_experts", None) or getattr(text, "num_experts_per_tok", 8))
+    if fp8.is_fp8(gate_up):
+        fp8_moe.warm_up(experts_module, fp8_moe.activation_dtype(model), top_k)
+        torch.cuda.synchronize(gate_up.device)
+        return time.perf_counter() - started
     generator = torch.Generator(device=gate_up.device).manual_seed(0)
     with torch.no_grad():
-        for tokens in warm_up_tokens(int(experts), top_k):
+        for tokens in warm_up_tokens(int(experts), top_k, TILES):
             states = torch.randn((tokens, int(hidden)), dtype=gate_up.dtype, device=gate_up.device, generator=generator)
             index = torch.randint(0, int(experts), (tokens, top_k), device=gate_up.device, generator=generator)
             expert_rows(states, index, gate_up, down)
@@ -246,15 +190,16 @@ def warm_up_experts(model: DiffusionGemmaForBlockDiffusion) -> float:
 
 
 def compiled_kernels() -> int:
-    """Triton kernels compiled so far for the two expert kernels (every tile and specialisation);
-    0 where Triton was never imported."""
+    """Triton kernels compiled so far for the expert kernels, bf16 and FP8 (every tile and
+    specialisation); 0 where Triton was never imported."""
     import sys
 
     if "triton" not in sys.modules:
         return 0
+    from app.engine.hf.moe.fp8_kernels import fp8_down_kernel, fp8_gate_up_kernel
     from app.engine.hf.moe.kernels import down_kernel, gate_up_kernel
 
-    return jit_compiles(gate_up_kernel, down_kernel)
+    return jit_compiles(gate_up_kernel, down_kernel, fp8_gate_up_kernel, fp8_down_kernel)
 
 
 def jit_compiles(*kernels: object) -> int:
