@@ -105,6 +105,7 @@ def hf_options(settings: Settings, served_name: str, tiny: bool):
         prefill_chunk=settings.hf.prefill_chunk,
         prompt_cache_bytes=round(settings.hf.prompt_cache_gb * 2**30),
         turn_tokens=settings.hf.turn_tokens,
+        quantize=settings.hf.quantize,
     )
 
 

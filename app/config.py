@@ -209,6 +209,9 @@ class StreamSettings:
         return problems
 
 
+# QUANTIZE's values: the checkpoint's own format, or FP8 quantized at load (app/engine/hf/quantize.py).
+QUANTIZE_MODES = ("", "fp8")
+
 # The fewest tokens an engine turn may hold (TURN_TOKENS): a widest default canvas beside the largest
 # image of the full-size model's processor (128 + 280), with room for a prompt's tail.
 MIN_TURN_TOKENS = 1024
@@ -242,6 +245,11 @@ class HFSettings:
     fused_moe: bool = field(default=True, metadata=_meta(
         "FUSED_MOE", "hf: 1 runs the experts as djev's two Triton kernels (CUDA only, needs Triton; "
         "0 = transformers' grouped_mm)"))
+    quantize: str = field(default="", metadata=_meta(
+        "QUANTIZE", "hf: fp8 quantizes a bf16 checkpoint's text layers (attention and dense MLP projections, "
+        "experts) to FP8 at load, a layer at a time (e4m3 weights with a scale per output channel, activations "
+        "quantized per token); empty = the checkpoint's own format (a compressed-tensors FP8 checkpoint loads as "
+        "FP8 either way). On the CPU FP8 runs a slow reference, for tests"))
     torch_threads: int = field(default=0, metadata=_meta(
         "TORCH_THREADS", "CPU threads torch may use; 0 = torch's default"))
     prefill_chunk: int = field(default=2048, metadata=_meta(
@@ -264,6 +272,8 @@ class HFSettings:
                             f"{self.turn_tokens}")
         if not self.prompt_cache_gb >= 0:
             problems.append(f"PROMPT_CACHE_GB must be at least 0, not {self.prompt_cache_gb}")
+        if self.quantize not in QUANTIZE_MODES:
+            problems.append(f"QUANTIZE must be empty or {' or '.join(filter(None, QUANTIZE_MODES))}, not {self.quantize!r}")
         return problems
 
 

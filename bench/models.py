@@ -6,20 +6,26 @@ The builder (`build_model`) allocates each unique weight once on the device. The
 layers are its encoder's (tied), so the full-size model's unique weights are 47.35 GiB in bf16;
 built under a device context the decoder's layers are allocated before they are tied and the
 build peaks near twice that (out of memory on an 80 GB H100). Here the parameters are made on the
-meta device, the ties are made there, then every distinct tensor gets one real tensor on the
-device, shared by every name that shares it, and the model's own initialisation fills them.
+meta device, the ties are made there (app/engine/hf/meta.py), then every distinct tensor gets one
+real tensor on the device, shared by every name that shares it, and the model's own initialisation
+fills them. With `weights="fp8"` the text layers' projections and experts are made FP8 on the meta
+device first (app/engine/hf/quantize.py's format), so they are allocated in e4m3 and drawn there:
+no bf16 copy of them ever exists (the full model in bf16 would leave no room beside the FP8 one).
 
 torch and transformers are imported where used, as in bench/common.py.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
+
+from app.engine.hf.meta import materialise, parameters_on_meta
 
 if TYPE_CHECKING:
     import torch
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+__all__ = ["materialise", "parameters_on_meta"]  # the builder's steps, where the benches have always found them
 
 # The published config of google/diffusiongemma-26B-A4B-it. The rest -- RoPE per layer type, softcap 30,
 # tied embeddings, the 5:1 sliding:full pattern with the last layer full -- are the config class's
@@ -102,73 +108,42 @@ def served_experts(device: str) -> str | None:
 
 # ---------------------------------------------------------------------------------------- the builder
 
+# build_model's weights: the served dtype throughout, or FP8 text layers (QUANTIZE=fp8's format) beside it.
+WEIGHTS = ("bf16", "fp8")
+
+
 def build_model(config: DiffusionGemmaConfig, device: str, dtype: torch.dtype, experts: str | None,
-                seed: int = 0) -> DiffusionGemmaForBlockDiffusion:
+                seed: int = 0, weights: str = "bf16") -> DiffusionGemmaForBlockDiffusion:
     """DiffusionGemma with random weights on `device`, each unique weight allocated once.
 
     Built with its parameters on the meta device (`parameters_on_meta`: the buffers are built as a
     normal build makes them), tied there, then materialised (`materialise`) and given random values
     by the model's own initialisation (`initialise`, drawn after `torch.manual_seed(seed)`).
-    `experts`: the experts implementation (None: transformers' own choice)."""
+    `experts`: the experts implementation (None: transformers' own choice). `weights`: "bf16", every
+    weight in `dtype`; "fp8", the text layers' projections and experts in FP8 (`random_fp8`: random
+    e4m3 values with a scale per output channel, made on the device), the rest in `dtype`."""
     import torch
     from transformers import DiffusionGemmaForBlockDiffusion
 
+    from app.engine.hf.quantize import install_empty_fp8
+
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
     if experts:
         kwargs["experts_implementation"] = experts
     with parameters_on_meta():
         model = DiffusionGemmaForBlockDiffusion._from_config(config, **kwargs)
+    if weights == "fp8":
+        install_empty_fp8(model)
     materialise(model, torch.device(device))
     torch.manual_seed(seed)
     initialise(model)
+    if weights == "fp8":
+        random_fp8(model, float(getattr(config.text_config, "initializer_range", 0.02)))
     if experts and getattr(model.config, "_experts_implementation", experts) != experts:
         model.set_experts_implementation(experts)
     return model.eval()
-
-
-@contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered while the block runs is moved to the meta device as it is
-    registered (its initialisation then costs nothing); buffers stay where they were made, with the
-    values the modules gave them, on the CPU. A parameter is made there (uninitialised, so no memory
-    is touched) and moved at once, so at most one exists off the meta device at a time."""
-    import torch
-    from torch import nn
-
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
-    try:
-        with torch.device("cpu"):
-            yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
-
-
-def materialise(model: torch.nn.Module, device: torch.device) -> None:
-    """One real (uninitialised) tensor on `device` for each distinct meta parameter, set on every
-    module that holds it (tied parameters stay one tensor), and every buffer moved to `device`."""
-    import torch
-    from torch import nn
-
-    made: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            real = made.get(id(param))
-            if real is None:
-                real = made[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
-                                                      requires_grad=param.requires_grad)
-            setattr(module, name, real)
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            real = made.get(id(buffer))
-            if real is None:
-                real = made[id(buffer)] = buffer.to(device)
-            setattr(module, name, real)
 
 
 def initialise(model: DiffusionGemmaForBlockDiffusion) -> None:
@@ -177,23 +152,60 @@ def initialise(model: DiffusionGemmaForBlockDiffusion) -> None:
     tensor once, by the module a normal build keeps it from: the tie's source. A module whose every
     parameter is a tie target is left out (a normal build drew its own tensor, then replaced it by
     the source's), and so is one with no parameters (its buffers hold the build's values already)."""
+    from app.engine.hf.fp8 import is_fp8
+    from app.engine.hf.quantize import Fp8Linear
+
     targets = set(model.all_tied_weights_keys)
     for prefix, module in model.named_modules():
         names = [f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters(recurse=False)]
-        module._is_hf_initialized = not names or all(name in targets for name in names)  # type: ignore[attr-defined]
+        # An FP8 module (drawn by `random_fp8`: the initialisation draws no e4m3) is left out too.
+        fp8 = isinstance(module, Fp8Linear) or any(is_fp8(param) for param in module.parameters(recurse=False))
+        module._is_hf_initialized = fp8 or not names or all(name in targets for name in names)  # type: ignore[attr-defined]
     model.initialize_weights()
+
+
+def random_fp8(model: DiffusionGemmaForBlockDiffusion, std: float) -> None:
+    """Random values in every FP8 weight, each tied one once: a normal draw with the
+    initialisation's spread (`std`), quantized to e4m3 with a scale per output channel, one
+    projection or one expert at a time on the weight's device (no wide copy of a layer)."""
+    import torch
+
+    from app.engine.hf import fp8
+    from app.engine.hf.quantize import BANKS, SCALE_SUFFIX, Fp8Linear
+
+    def draw(q: torch.Tensor, scale: torch.Tensor) -> None:
+        values, scales = fp8.quantize_weight(torch.randn(q.shape, device=q.device) * std)
+        q.copy_(values)
+        scale.copy_(scales)
+
+    drawn: set[int] = set()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Fp8Linear) and id(module.weight) not in drawn:
+                drawn.add(id(module.weight))
+                draw(module.weight, module.weight_scale)
+                continue
+            for name in BANKS:
+                bank = getattr(module, name, None)
+                if not isinstance(bank, torch.Tensor) or not fp8.is_fp8(bank) or id(bank) in drawn:
+                    continue
+                drawn.add(id(bank))
+                scale = module.get_parameter(name + SCALE_SUFFIX)
+                for expert in range(bank.shape[0]):
+                    draw(bank[expert], scale[expert])
 
 
 # ---------------------------------------------------------------------------------------- random-weight readers
 
-def random_model(tiny: bool, device: str) -> tuple[DiffusionGemmaForBlockDiffusion, Any, Any]:
+def random_model(tiny: bool, device: str, weights: str = "bf16") -> tuple[DiffusionGemmaForBlockDiffusion, Any, Any]:
     """(model, tokenizer, image processor) as the server would serve them, the weights random: the
     tiny config or the full-size one (with the tiny tokenizer's image ids), in the server's dtype
-    and experts implementation for the device."""
+    and experts implementation for the device; `weights` as `build_model` takes it."""
     from app.engine.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    model = build_model(model_config(tiny, tokenizer), device, served_dtype(device), served_experts(device))
+    model = build_model(model_config(tiny, tokenizer), device, served_dtype(device), served_experts(device),
+                        weights=weights)
     return model, tokenizer, image_processor(tiny)
 
 
@@ -201,13 +213,14 @@ def served_name(tiny: bool) -> str:
     return "tiny" if tiny else FULL_MODEL_NAME
 
 
-def load_random(tiny: bool, device: str, settings: Any, progress: Any = None) -> Any:
+def load_random(tiny: bool, device: str, settings: Any, progress: Any = None, weights: str = "bf16") -> Any:
     """The reader `djev serve` makes (`hf_reader`: fused experts, compiled layers, graphs captured,
-    as `settings` ask) over random weights: the `load` a served bench gives `cli.serve`."""
+    as `settings` ask) over random weights (`weights`: "bf16" or "fp8", as `build_model` takes it):
+    the `load` a served bench gives `cli.serve`."""
     from app.build import hf_options
     from app.engine.hf.loader import hf_reader
 
-    model, tokenizer, processor = random_model(tiny, device)
+    model, tokenizer, processor = random_model(tiny, device, weights)
     return hf_reader(model, tokenizer, processor, hf_options(settings, served_name(tiny), tiny=tiny), progress=progress)
 
 

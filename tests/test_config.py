@@ -48,6 +48,7 @@ def test_flags_override_the_environment(monkeypatch):
     ({"MAX_INFLIGHT": "0"}, "MAX_INFLIGHT must be at least 1"),
     ({"MAX_SESSIONS": "-1"}, "MAX_SESSIONS must be at least 0"),
     ({"BATCH_GATHER_ROWS": "-1"}, "BATCH_GATHER_ROWS must be at least 0, not -1"),
+    ({"QUANTIZE": "int4"}, "QUANTIZE must be empty or fp8, not 'int4'"),
     ({"DEBIAS": "sorted"}, "DEBIAS must be one of off, canonical, rotate"),
     ({"DEBIAS": "prior+rotate"}, "DEBIAS must be one of"),
     ({"DEBIAS_ROTATIONS": "1"}, "DEBIAS_ROTATIONS must be 2 to 32, not 1"),

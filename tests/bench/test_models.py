@@ -151,3 +151,34 @@ def test_with_the_same_weights_the_reads_are_a_normal_builds(config, normal):
             for slot_want, slot_got in zip(canvas_want, canvas_got, strict=True):
                 assert max(abs(a - b) for a, b in zip(slot_want.label_logprobs, slot_got.label_logprobs)) <= 1e-5
                 assert slot_want.argmax_id == slot_got.argmax_id
+
+
+def test_fp8_weights_are_made_fp8_on_the_device_with_the_initialisations_spread(config, built):
+    """weights="fp8": the text layers' projections and experts are allocated in e4m3 (each tied one
+    once) and drawn there, a projection or an expert at a time, so the build never holds more than the
+    FP8 model and a few float32 copies of its largest single projection; their values have the
+    initialisation's spread; the rest is drawn as a bf16 build draws it."""
+    from app.engine.hf import fp8
+    from app.engine.hf.quantize import Fp8Linear, is_fp8_model
+
+    model, peak = build_peak(lambda: build_model(config, "cpu", torch.float32, None, weights="fp8"))
+    assert is_fp8_model(model) and not is_fp8_model(built)
+    held = sum(storages(model).values())
+    layer = encoder_layers(model)[0]
+    largest = max(max(module.weight.numel() for module in model.modules() if isinstance(module, Fp8Linear)),
+                  layer.experts.get_parameter("gate_up_proj")[0].numel())
+    assert peak <= held + 4 * 4 * largest  # measured: 3 float32 copies
+    assert held < 0.6 * sum(storages(built).values())
+    for encoder, decoder in zip(encoder_layers(model), decoder_layers(model), strict=True):
+        assert isinstance(encoder.self_attn.q_proj, Fp8Linear) and decoder.self_attn.q_proj is encoder.self_attn.q_proj
+        assert decoder.experts.get_parameter("down_proj") is encoder.experts.get_parameter("down_proj")
+    text_range = config.text_config.initializer_range
+    for q, scale in ((layer.self_attn.q_proj.weight, layer.self_attn.q_proj.weight_scale),
+                     (layer.experts.get_parameter("gate_up_proj"), layer.experts.get_parameter("gate_up_proj_scale"))):
+        assert q.dtype == fp8.E4M3
+        values = fp8.dequantize(q, scale)
+        assert abs(float(values.std()) / text_range - 1) < 0.05 and abs(float(values.mean())) < 0.02
+        assert torch.allclose(values.abs().amax(dim=-1), scale * fp8.E4M3_MAX)  # each row's largest value is e4m3's
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))
+    with pytest.raises(ValueError, match="weights must be one of bf16, fp8"):
+        build_model(config, "cpu", torch.float32, None, weights="int4")

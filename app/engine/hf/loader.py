@@ -1,6 +1,7 @@
 """Loading the hf engine: a local DiffusionGemma checkpoint (config, weights, tokenizer, image
-processor) onto the device, with the fused experts and compiled layers the options ask for, warmed
-up, the heap settled, and wrapped in an HFReader."""
+processor) onto the device, its weights in the format the checkpoint has (bf16, or compressed-tensors
+FP8) or FP8 where QUANTIZE asks, with the fused experts and compiled layers the options ask for,
+warmed up, the heap settled, and wrapped in an HFReader."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from app.engine.hf.memory import MemorySplit, unique_bytes
 from app.engine.hf.reader import HFOptions, HFReader, settle_heap
 
 if TYPE_CHECKING:
+    import torch
     from transformers import DiffusionGemmaForBlockDiffusion
 
     from app.engine.hf.runner import DiffusionRunner
@@ -33,23 +35,13 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions, progress: Startup
     """Load a local DiffusionGemma checkpoint directory (config, weights, tokenizer, processor) and
     make the reader (`hf_reader`). `progress` hears each start-up phase as it begins."""
     import torch
-    from transformers import AutoImageProcessor, AutoTokenizer, DiffusionGemmaForBlockDiffusion
+    from transformers import AutoImageProcessor, AutoTokenizer
 
     report = progress or _silent
     path = Path(checkpoint)
     if options.torch_threads > 0:
         torch.set_num_threads(options.torch_threads)
-    device_name = pick_device(options.device)
-    on_cuda = torch.device(device_name).type == "cuda"
-    kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if on_cuda else torch.float32, "attn_implementation": "sdpa"}
-    if on_cuda:
-        # The eager loop over experts is 13x slower on an H200 (docs/design.md §4.2).
-        kwargs["experts_implementation"] = "grouped_mm"
-    report("loading weights", 0, 1)
-    log.info("loading %s on %s (%s)", path, device_name, kwargs["dtype"])
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), **kwargs)
-    # PreTrainedModel.to is functools.wraps(nn.Module.to); typeshed's wraps result binds no self.
-    model = model.to(device_name).eval()  # pyright: ignore[reportArgumentType]
+    model = load_model(path, torch.device(pick_device(options.device)), options.quantize, report)
     hf_tokenizer = AutoTokenizer.from_pretrained(str(path))
     try:
         image_processor = AutoImageProcessor.from_pretrained(str(path), backend="pil")
@@ -59,10 +51,57 @@ def load_hf_reader(checkpoint: str | Path, options: HFOptions, progress: Startup
     return hf_reader(model, hf_tokenizer, image_processor, options, checkpoint=str(path), progress=progress)
 
 
+def load_model(path: Path, device: torch.device, quantize: str, progress: StartupProgress) -> DiffusionGemmaForBlockDiffusion:
+    """The checkpoint's model on `device`, its weights as the checkpoint's format says (as vLLM
+    decides): a compressed-tensors FP8 checkpoint loads FP8 straight onto the device
+    (app/engine/hf/checkpoint_fp8.py); an unquantized one loads in bf16 on CUDA (float32 on the CPU),
+    its text layers quantized to FP8 a layer at a time onto the device where QUANTIZE is fp8
+    (app/engine/hf/quantize.py). A checkpoint quantized any other way is refused, naming its method."""
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from app.engine.hf.checkpoint_fp8 import (
+        CheckpointFormatError,
+        is_fp8_checkpoint,
+        load_fp8_checkpoint,
+        quantization_config,
+    )
+
+    on_cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    quantization = quantization_config(path)
+    if quantization is not None and not is_fp8_checkpoint(quantization):
+        raise CheckpointFormatError(f"{path}: quantization_config.quant_method is {quantization.get('quant_method')!r}: "
+                                    "djev loads compressed-tensors FP8 checkpoints and unquantized ones")
+    progress("loading weights", 0, 1)
+    if quantization is not None:
+        log.info("loading %s on %s (FP8 as stored, the rest %s)", path, device, dtype)
+        model = load_fp8_checkpoint(path, device, dtype, progress)
+        log.info("weights: fp8 (checkpoint)%s", "; QUANTIZE=fp8 has nothing to do" if quantize == "fp8" else "")
+        return model
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
+    if on_cuda:
+        # The eager loop over experts is 13x slower on an H200 (docs/design.md §4.2).
+        kwargs["experts_implementation"] = "grouped_mm"
+    log.info("loading %s on %s (%s)", path, device, dtype)
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), **kwargs)
+    if quantize == "fp8":  # onto the device a layer at a time: the wide weights never all there at once
+        from app.engine.hf.quantize import quantize_model
+
+        counts = quantize_model(model, progress, device=device)
+        log.info("weights: fp8 (quantized at load: %d projections, %d layers' experts)", counts.projections,
+                 counts.experts)
+    else:
+        log.info("weights: %s", "bf16" if on_cuda else "fp32")
+    # PreTrainedModel.to is functools.wraps(nn.Module.to); typeshed's wraps result binds no self.
+    return model.to(device).eval()  # pyright: ignore[reportArgumentType]
+
+
 def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_processor: Any, options: HFOptions, *,
               checkpoint: str = "", progress: StartupProgress | None = None) -> HFReader:
     """The reader over a model already on its device (loaded from a checkpoint, or random weights in
-    a bench): the fused experts and compiled layers the options ask for, the KV store sized, the
+    a bench): the fused experts and compiled layers the options ask for (djev's FP8 experts where its
+    experts are FP8, whatever FUSED_MOE says), the KV store sized, the
     warm-up, the graphs captured, the settled heap. `serve` reaches this through `load_hf_reader`; a
     bench that builds random weights calls it directly, so what it serves is built exactly as
     `djev serve` builds it."""
@@ -71,13 +110,20 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
     from app.engine.hf.compiled import reads_images
     from app.engine.hf.engine import budget_problem
     from app.engine.hf.parts import text_config
+    from app.engine.hf.quantize import is_fp8_model
     from app.engine.hf.runner import DiffusionRunner
     from app.engine.tokenizer import HFChatTokenizer
 
     report = progress or _silent
     device = next(model.parameters()).device
     on_cuda = device.type == "cuda"
-    if options.fused_moe and on_cuda:
+    fp8_weights = is_fp8_model(model)
+    if fp8_weights:  # whatever FUSED_MOE says: only these read the FP8 banks
+        from app.engine.hf.moe.fp8 import use_fp8_experts
+
+        use_fp8_experts(model)  # a RuntimeError where they cannot run here (no Triton, no FP8 tensor cores)
+        log.info("experts: djev's FP8 experts (%s)", "Triton kernels" if on_cuda else "the torch reference, slow")
+    elif options.fused_moe and on_cuda:
         from app.engine.hf.moe.fused import use_fused_experts
 
         reason = use_fused_experts(model)
@@ -117,7 +163,7 @@ def hf_reader(model: DiffusionGemmaForBlockDiffusion, hf_tokenizer: Any, image_p
         import functools
 
         runner.flat.forward.compile(functools.partial(torch.compile, dynamic=None))
-    if options.fused_moe and on_cuda:
+    if on_cuda and (options.fused_moe or fp8_weights):  # FP8 banks: the FP8 kernels' tiles
         from app.engine.hf.moe.fused import warm_up_experts
 
         report("compiling the expert kernels", 0, 1)

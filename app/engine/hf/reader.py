@@ -88,6 +88,7 @@ class HFOptions:
     prompt_cache_bytes: int = 0  # the KV store's bytes (0: sized by the device, `loader.store_bytes`)
     gather_rows: int = 32  # the most canvases a gather waits for (0: the last turn's count)
     turn_tokens: int = 0  # a turn's token budget (0: by the device, `loader.turn_tokens`)
+    quantize: str = ""  # "fp8": a bf16 checkpoint's text layers quantized to FP8 at load ("": the checkpoint's format)
 
 
 # An engine turn (every kind of work at once): its count and milliseconds (`<kind>_turn_count`, `_ms`).
