@@ -56,7 +56,7 @@ from bench.common import (  # noqa: E402
     percentile,
     write_json,
 )
-from bench.models import load_random  # noqa: E402
+from bench.models import load_random, random_weights  # noqa: E402
 from bench.server import (  # noqa: E402
     RandomServe,
     compile_report,
@@ -83,7 +83,8 @@ async def in_process(args: argparse.Namespace, settings: Any, states: list[str],
     from app.web.services import Services
 
     started = time.perf_counter()
-    reader = load_random(args.tiny, args.device, settings)  # hf_reader: warm-ups, graphs, the heap settled
+    # hf_reader: warm-ups, graphs, the heap settled
+    reader = load_random(args.tiny, args.device, settings, weights=random_weights(settings))
     load_s = round(time.perf_counter() - started, 1)
     services = Services.build(settings, reader)
     await reader.start()

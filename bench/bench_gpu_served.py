@@ -3,7 +3,9 @@ after ready, with the in-process figure of the same request generator beside eac
 
 The server is `app.cli.serve` in a subprocess (its own process group; bench/server.py), over random
 weights: the full-size DiffusionGemma 26B-A4B architecture on CUDA (bench/models.py's
-FULL_TEXT_CONFIG and build_model), or the tiny config on the CPU with --tiny. Only the weights are random: the reader is
+FULL_TEXT_CONFIG and build_model; in bf16, or FP8 with QUANTIZE=fp8 in the environment: the text
+layers' projections and experts made as e4m3 on the device, as quantizing at load would give them),
+or the tiny config on the CPU with --tiny. Only the weights are random: the reader is
 `hf_reader` over the model, as `djev serve` builds it, and the settings are `Settings.from_env` with
 this script's flags as overrides, as `djev serve` reads them (the server's defaults where a flag is
 not given). The tokenizer is the tiny model's, as in bench_gpu_decisions.py. A bench-only route,
@@ -79,6 +81,7 @@ from bench.common import (  # noqa: E402
     percentile,
     write_json,
 )
+from bench.models import random_weights  # noqa: E402
 from bench.served_load import (  # noqa: E402
     FRESH_S,
     HEAVY_KINDS,
@@ -596,6 +599,17 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if a == a and b == b and b else "-"
 
 
+def memory_line(log_path: Path) -> str:
+    """The server log's split of the GPU's memory at start (the weights', the graphs' and the KV
+    store's GiB: `MemorySplit.line`), or "" where it logged none (the CPU)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return ""
+    found = [line.split(": ", 1)[-1] for line in text.splitlines() if "GPU memory" in line and "weights" in line]
+    return found[-1] if found else ""
+
+
 def report(results: dict[str, Any]) -> str:
     startup = results.get("startup") or {}
     settings = results.get("settings") or {}
@@ -606,6 +620,7 @@ def report(results: dict[str, Any]) -> str:
         f"{results['args']['workers']} client processes; settings: "
         + ", ".join(f"{key} {value}" for key, value in settings.items())
         + f"; camera sessions at most {(startup.get('health') or {}).get('max_sessions', '-')} (/health)",
+        *([f"memory at ready: {startup['memory']}"] if startup.get("memory") else []),
         "",
     ]
     built = results.get("compile_counts_at_ready")
@@ -921,10 +936,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     api_key = os.environ.get("API_KEY", "")
     settings = served(args).settings()
     results: dict[str, Any] = {
-        "machine": info, "model": "tiny config" if args.tiny else "DiffusionGemma 26B-A4B architecture, random bf16",
+        "machine": info,
+        "model": "tiny config" if args.tiny else f"DiffusionGemma 26B-A4B architecture, random {random_weights(settings)}",
         "args": vars(args),
         "settings": {"torch_compile": settings.hf.torch_compile, "turn_tokens": settings.hf.turn_tokens,
                      "fused_moe": settings.hf.fused_moe, "cuda_graphs": settings.hf.cuda_graphs,
+                     "quantize": settings.hf.quantize,
                      "batch_gather_ms": settings.hf.batch_gather_ms,
                      "max_sessions": settings.limits.max_sessions, "max_inflight": settings.limits.max_inflight},
         "startup": {}, "rows": [], "notes": [],
@@ -947,7 +964,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = spawn_random(served(args), out_dir / "bench_gpu_served.server.log")
         pool = ClientPool(args.workers)  # the client processes start while the model builds
         results["startup"] = wait_ready(server, min(args.startup_timeout, deadline - now()))
-        print(f"  ready in {results['startup']['ready_s']} s", flush=True)
+        results["startup"]["memory"] = memory_line(server.log_path)
+        print(f"  ready in {results['startup']['ready_s']} s; {results['startup']['memory']}", flush=True)
         results["compile_counts_at_ready"] = compile_report(server.url, api_key)
         for line in compile_report_lines(results["compile_counts_at_ready"], "the server at ready"):
             print(f"  {line}", flush=True)

@@ -213,6 +213,12 @@ def served_name(tiny: bool) -> str:
     return "tiny" if tiny else FULL_MODEL_NAME
 
 
+def random_weights(settings: Any) -> str:
+    """The random weights' format for `settings`: "fp8" where QUANTIZE is fp8 (what quantizing a bf16
+    checkpoint at load would give, made on the device directly), else "bf16"."""
+    return "fp8" if settings.hf.quantize == "fp8" else "bf16"
+
+
 def load_random(tiny: bool, device: str, settings: Any, progress: Any = None, weights: str = "bf16") -> Any:
     """The reader `djev serve` makes (`hf_reader`: fused experts, compiled layers, graphs captured,
     as `settings` ask) over random weights (`weights`: "bf16" or "fp8", as `build_model` takes it):

@@ -231,13 +231,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from app.cli import serve
     from app.logs import configure_logging
-    from bench.models import load_random
+    from bench.models import load_random, random_weights
     from bench.served_load import bench_routes
 
     settings = served.settings(args.port)
     configure_logging(settings)
     watch_parent()
-    return serve(settings, load=lambda progress: load_random(served.tiny, served.device, settings, progress),
+    return serve(settings, load=lambda progress: load_random(served.tiny, served.device, settings, progress,
+                                                             weights=random_weights(settings)),
                  extra_routes=bench_routes())
 
 
