@@ -16,7 +16,17 @@ draws, an image read, a two-step read) through the hf engine's flat turn (`Diffu
       (`reference_read`: the whole prompt and the canvas through the library's forward, no djev code in
       it; the engine's sampler step between two steps), against the eager reads alone;
 
-and the vision tower's static (graph) path against the library's forward. Each check prints the
+and the vision tower's static (graph) path against the library's forward.
+
+With --weights fp8 (FP8 weights, docs/design.md §4.7), instead: --reads text reads of one canvas
+(three slots of 2-3 labels each) on the full-size model in bf16, read with transformers' grouped_mm
+experts and with djev's Triton kernels; then the same model's text layers quantized to FP8 in place
+(`quantize_model`, as QUANTIZE=fp8 does at load) and the reads again. Printed: the slots whose bf16
+top-label margin (top probability less the second) is over MARGIN (at least MIN_CONFIDENT wanted),
+the FP8 reads' top-label agreement with bf16 on those slots, and the label-probability deviation
+(mean and largest |dp|) of FP8 from bf16 beside the same deviation between djev's kernels and
+grouped_mm in bf16: random routers flip their expert choices on any rounding, so that pair is the
+yardstick of how far two bf16 paths already differ. Each check prints the
 largest label log-probability difference of each read and how many slots' top label (the label of
 the highest log-probability) agree. In float32 everything agrees to ~1e-4. In bfloat16 with RANDOM
 weights the paths diverge: the random routers' near-uniform top-8 expert choices flip on any rounding
@@ -32,6 +42,7 @@ bytes on CUDA, beside the 30-layer model's 47 GiB of weights.
     python bench/check_gpu_numerics.py 6:float32    # one model size and dtype (layers:dtype ...)
     python bench/check_gpu_numerics.py --fused-moe  # every read through the experts' Triton kernels
                                                     # (FUSED_MOE), and those reads against grouped_mm's
+    python bench/check_gpu_numerics.py --weights fp8 [--reads 300]   # FP8 against bf16 (see above)
     python bench/check_gpu_numerics.py --tiny --device cpu   # the CPU smoke test: the tiny config
                                                     # (its own layers; LAYERS is ignored), the pieces
                                                     # run without capture
@@ -64,6 +75,10 @@ PROMPT_TOKENS = (40, 700, 1500)  # the text reads' prompts beside the two of 300
 TURN_TOKENS = 8192
 MAX_PROMPT_TOKENS = 8192
 STORE_BYTES = 4 * 2**30
+# --weights fp8: the slots counted (bf16 top-label margin over MARGIN), and how many are wanted.
+MARGIN = 0.1
+MIN_CONFIDENT = 200
+FP8_PROMPT_TOKENS = (60, 200, 500)  # the FP8 check's text reads cycle through these prompt lengths
 
 
 # ---------------------------------------------------------------------------------------- comparing reads
@@ -92,6 +107,63 @@ def compared(a: Sequence[ReadResult], b: Sequence[ReadResult]) -> str:
             total += 1
     largest = ", ".join(f"{largest_difference(x, y):.1e}" for x, y in zip(a, b))
     return f"[{largest}]  top label {agree}/{total}"
+
+
+def slot_probabilities(result: ReadResult) -> list[list[float]]:
+    """Each slot's label probabilities, canvas by canvas: its labels' full-vocabulary log-probabilities
+    renormalised over the labels (what a decision answers with)."""
+    import math
+
+    shares = []
+    for canvas in result.slots:
+        for slot in canvas:
+            top = max(slot.label_logprobs)
+            weights = [math.exp(value - top) for value in slot.label_logprobs]
+            shares.append([weight / sum(weights) for weight in weights])
+    return shares
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """Two sets of the same reads, slot by slot: the confident slots of the first (top-label margin
+    over the margin asked), how many of those keep their top label in the second, and the label
+    probabilities' deviation over every slot."""
+
+    slots: int
+    confident: int
+    agree: int
+    mean_deviation: float
+    largest_deviation: float
+
+    def line(self) -> str:
+        share = f"{100 * self.agree / self.confident:.1f} %" if self.confident else "-"
+        return (f"top label {self.agree}/{self.confident} confident slots ({share}); |dp| mean "
+                f"{self.mean_deviation:.4f}, largest {self.largest_deviation:.4f} over {self.slots} slots")
+
+
+def agreement(base: Sequence[ReadResult], other: Sequence[ReadResult], margin: float = MARGIN) -> Agreement:
+    """How `other` keeps `base`'s answers (see Agreement). Pure."""
+    slots = confident = agree = 0
+    total = largest = 0.0
+    labels = 0
+    for x, y in zip(base, other, strict=True):
+        for first, second in zip(slot_probabilities(x), slot_probabilities(y), strict=True):
+            slots += 1
+            ranked = sorted(first, reverse=True)
+            top = max(range(len(first)), key=first.__getitem__)
+            if len(ranked) > 1 and ranked[0] - ranked[1] > margin:
+                confident += 1
+                agree += top == max(range(len(second)), key=second.__getitem__)
+            for p, q in zip(first, second, strict=True):
+                total += abs(p - q)
+                largest = max(largest, abs(p - q))
+                labels += 1
+    return Agreement(slots, confident, agree, total / max(1, labels), largest)
+
+
+def fp8_reads(vocab: int, count: int) -> list[ReadSpec]:
+    """The FP8 check's `count` text reads of one canvas, their prompts FP8_PROMPT_TOKENS long in turn."""
+    return [Specs(vocab, FP8_PROMPT_TOKENS[n % len(FP8_PROMPT_TOKENS)], seed=1000 + n).read() for n in range(count)]
 
 
 def results(outcomes: Sequence[ReadResult | Exception]) -> list[ReadResult]:
@@ -193,6 +265,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fused-moe", action="store_true", help="the experts as djev's Triton kernels (CUDA)")
     parser.add_argument("--tiny", action="store_true", help="the tiny config (LAYERS ignored): a CPU smoke test")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda)")
+    parser.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                        help="fp8: FP8 reads against bf16 on the same random weights (default size 30:bfloat16)")
+    parser.add_argument("--reads", type=int, default=300, help=f"--weights fp8: text reads (3 slots each; at least "
+                        f"{MIN_CONFIDENT} slots with a bf16 margin over {MARGIN} are wanted)")
     args = parser.parse_intermixed_args(argv)  # sizes and flags in any order
     import torch
 
@@ -201,8 +277,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("the full-size model needs a GPU; use --tiny to check the script on a CPU")
     if args.fused_moe and args.device.type != "cuda":
         parser.error("--fused-moe: the Triton kernels need CUDA")
+    if args.reads < 1:
+        parser.error("--reads must be at least 1")
+    if args.weights == "fp8" and args.fused_moe:
+        parser.error("--weights fp8 reads with grouped_mm and djev's kernels both; --fused-moe adds nothing")
+    defaults = ("30:bfloat16",) if args.weights == "fp8" else DEFAULT_SIZES
     sizes = []
-    for text in args.sizes or (("0:float32",) if args.tiny else DEFAULT_SIZES):
+    for text in args.sizes or (("0:float32",) if args.tiny else defaults):
         layers, _, dtype = text.partition(":")
         if not layers.isdigit() or not isinstance(getattr(torch, dtype, None), torch.dtype):
             parser.error(f"{text!r}: LAYERS:DTYPE, e.g. 6:float32")
@@ -215,8 +296,55 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     frame = frames(1)[0]  # one frame for every size and runner
     for layers, dtype in args.sizes:
-        check_size(args, layers, dtype, frame)
+        if args.weights == "fp8":
+            check_fp8(args, layers, dtype)
+        else:
+            check_size(args, layers, dtype, frame)
         release(args.device)  # the model and everything of this size gone before the next is built
+
+
+def check_fp8(args: argparse.Namespace, layers: int, dtype: Any) -> None:
+    """--weights fp8: the reads in `dtype` with grouped_mm and with djev's kernels (CUDA), then with
+    the text layers quantized to FP8 in place (see the module); one eager runner at a time."""
+    from app.engine.hf.moe.fp8 import use_fp8_experts
+    from app.engine.hf.quantize import quantize_model
+
+    device = args.device
+    config = model_config(True) if args.tiny else full_config(num_hidden_layers=layers)
+    model = build_model(config, str(device), dtype, served_experts(str(device)))
+    processor = image_processor(args.tiny)
+    reads = fp8_reads(int(model.config.text_config.vocab_size), args.reads)
+    name = f"{'tiny' if args.tiny else layers} layers, {str(dtype).replace('torch.', '')}"
+
+    def read_all(made: DiffusionRunner) -> list[ReadResult]:
+        return results(made.read(reads))
+
+    def runner() -> DiffusionRunner:
+        return make_runner(model, processor, device, pieces=False)
+
+    wide = one(runner, read_all, device)  # transformers' experts (grouped_mm on CUDA)
+    kernels = None
+    if device.type == "cuda":
+        from app.engine.hf.moe.fused import use_fused_experts
+
+        reason = use_fused_experts(model)
+        if reason is not None:
+            raise SystemExit(f"--weights fp8: djev's kernels cannot run: {reason}")
+        kernels = one(runner, read_all, device)
+    counts = quantize_model(model)
+    release(device)
+    use_fp8_experts(model)
+    quantized = one(runner, read_all, device)
+    served = kernels or wide  # what bf16 serves: djev's kernels on CUDA
+    fp8_line = agreement(served, quantized)
+    print(f"{name}: {len(reads)} reads; FP8: {counts.projections} projections and {counts.experts} layers' experts")
+    wide_name = str(dtype).replace("torch.", "")
+    print(f"  FP8 vs {wide_name} ({'djev kernels' if kernels else 'default experts'})   {fp8_line.line()}")
+    if kernels is not None:
+        print(f"  {wide_name} djev kernels vs grouped_mm  {agreement(wide, kernels).line()}")
+    if fp8_line.confident < MIN_CONFIDENT:
+        print(f"  WARNING: {fp8_line.confident} confident slots, fewer than {MIN_CONFIDENT}: give more --reads",
+              flush=True)
 
 
 def check_size(args: argparse.Namespace, layers: int, dtype: Any, frame: bytes) -> None:

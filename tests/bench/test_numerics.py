@@ -5,6 +5,7 @@ runner's preallocated KV store."""
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import pytest
@@ -85,3 +86,43 @@ def test_every_check_runs_with_one_runner_alive_at_a_time(monkeypatch, capsys):
     assert "2 turns shared" in lines["(1) shared turn vs alone, eager"]  # one turn, and the two-step's second
     assert "as uncaptured pieces, 0 eager fallbacks" in lines["(2) pieces vs eager, shared turn"]
     assert "vision static vs library" in out
+
+
+def slot(*probabilities: float):
+    from app.engine.base import SlotRead
+
+    return SlotRead(tuple(math.log(p) for p in probabilities), 0)
+
+
+def test_agreement_counts_confident_slots_and_the_probability_deviation():
+    from app.engine.base import ReadResult
+
+    # Full-vocabulary log-probabilities: renormalised over the labels (0.06 / 0.02 -> 0.75 / 0.25).
+    base = [ReadResult(((slot(0.06, 0.02), slot(0.5, 0.48), slot(0.2, 0.1, 0.1)),), 10)]
+    other = [ReadResult(((slot(0.02, 0.06), slot(0.48, 0.5), slot(0.2, 0.1, 0.1)),), 10)]
+    found = check_gpu_numerics.agreement(base, other)
+    assert (found.slots, found.confident, found.agree) == (3, 2, 1)  # the 0.51/0.49 slot is not confident
+    assert found.largest_deviation == pytest.approx(0.5)
+    assert found.mean_deviation == pytest.approx((0.5 + 0.5 + 0.0204 * 2) / 7, abs=1e-3)
+    assert "1/2 confident slots (50.0 %)" in found.line()
+
+
+def test_the_fp8_check_takes_its_own_size_and_refuses_fused_moe():
+    args = check_gpu_numerics.parse_args(["--weights", "fp8", "--device", "cuda"])
+    assert args.sizes == [(30, torch.bfloat16)] and args.reads == 300
+    for bad in (["--weights", "fp8", "--fused-moe", "--device", "cuda"], ["--weights", "int4", "--device", "cuda"],
+                ["--weights", "fp8", "--reads", "0", "--device", "cuda"]):
+        with pytest.raises(SystemExit):
+            check_gpu_numerics.parse_args(bad)
+    reads = check_gpu_numerics.fp8_reads(2794, 6)
+    assert [len(spec.prompt.ids) for spec in reads] == [60, 200, 500, 60, 200, 500]
+    assert len({spec.prompt.ids for spec in reads}) == 6 and all(len(spec.canvases) == 1 for spec in reads)
+
+
+@pytest.mark.timeout(300)
+def test_the_fp8_check_runs_on_the_tiny_model(capsys):
+    check_gpu_numerics.main(["--tiny", "--device", "cpu", "--weights", "fp8", "--reads", "12"])
+    out = capsys.readouterr().out
+    assert "12 reads; FP8: 41 projections and 6 layers' experts" in out
+    line = next(line for line in out.splitlines() if "FP8 vs float32" in line)
+    assert "over 36 slots" in line and "confident slots" in line
