@@ -23,7 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from app.engine.hf import fp8
-from app.engine.hf.moe.pairs import ACTIVATIONS, BlockConfig, Tiles, align, pick_tiles, warm_up_tokens, weighted_sum
+from app.engine.hf.moe.pairs import (
+    ACTIVATIONS,
+    BlockConfig,
+    Tiles,
+    align,
+    both_tiles,
+    pick_tiles,
+    warm_up_tokens,
+    weighted_sum,
+)
 
 if TYPE_CHECKING:
     from torch._library.custom_ops import CustomOpDef
@@ -184,10 +193,7 @@ def fp8_expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate
     inter = double_inter // 2
     top_k = top_k_index.shape[1]
     total = tokens * top_k
-    config = config or block_config(total, experts)
-    down_config = down_config or DOWN_TILES.get(config, config)
-    if down_config.block_m != config.block_m:
-        raise ValueError("both kernels read the same blocks of pairs: block_m must match")
+    config, down_config = both_tiles(config or block_config(total, experts), down_config, DOWN_TILES)
     import triton  # pyright: ignore[reportMissingImports]  # optional: Triton
 
     from app.engine.hf.moe.fp8_kernels import fp8_down_kernel, fp8_gate_up_kernel

@@ -17,7 +17,16 @@ import torch
 
 from app.engine.hf import fp8
 from app.engine.hf.moe import fp8 as fp8_moe
-from app.engine.hf.moe.pairs import ACTIVATIONS, BlockConfig, Tiles, align, pick_tiles, warm_up_tokens, weighted_sum
+from app.engine.hf.moe.pairs import (
+    ACTIVATIONS,
+    BlockConfig,
+    Tiles,
+    align,
+    both_tiles,
+    pick_tiles,
+    warm_up_tokens,
+    weighted_sum,
+)
 
 if TYPE_CHECKING:
     from torch._library.custom_ops import CustomOpDef
@@ -64,10 +73,7 @@ def expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_
     inter = double_inter // 2
     top_k = top_k_index.shape[1]
     total = tokens * top_k
-    config = config or block_config(total, experts)
-    down = down or DOWN_TILES.get(config, config)
-    if down.block_m != config.block_m:
-        raise ValueError("both kernels read the same blocks of pairs: block_m must match")
+    config, down = both_tiles(config or block_config(total, experts), down, DOWN_TILES)
     precision = "ieee" if hidden_states.dtype == torch.float32 else "tf32"
     x = hidden_states.contiguous()
     gate_up_proj = gate_up_proj.contiguous()

@@ -32,6 +32,16 @@ def pick_tiles(pairs: int, experts: int, tiles: Tiles, large: BlockConfig) -> Bl
     return large
 
 
+def both_tiles(chosen: BlockConfig, down: BlockConfig | None, down_tiles: dict[BlockConfig, BlockConfig]
+               ) -> tuple[BlockConfig, BlockConfig]:
+    """(gate/up tiles, down tiles): `down` where given, else the down kernel's own for `chosen`
+    (`down_tiles`), else the same; ValueError where their block_m differ."""
+    down = down or down_tiles.get(chosen, chosen)
+    if down.block_m != chosen.block_m:
+        raise ValueError("both kernels read the same blocks of pairs: block_m must match")
+    return chosen, down
+
+
 def align(top_k_index: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(pairs, block_experts): the pair ids (token x top_k + slot) sorted by expert (stable), each
     expert's run padded to a multiple of `block_m` with the sentinel tokens x top_k; and each block
