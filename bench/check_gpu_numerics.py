@@ -78,6 +78,7 @@ STORE_BYTES = 4 * 2**30
 # --weights fp8: the slots counted (bf16 top-label margin over MARGIN), and how many are wanted.
 MARGIN = 0.1
 MIN_CONFIDENT = 200
+FP8_BATCH = 32  # reads a `read` takes at once (a store of STORE_BYTES holds ~2,800 blocks of 16 tokens)
 FP8_PROMPT_TOKENS = (60, 200, 500)  # the FP8 check's text reads cycle through these prompt lengths
 
 
@@ -317,7 +318,9 @@ def check_fp8(args: argparse.Namespace, layers: int, dtype: Any) -> None:
     name = f"{'tiny' if args.tiny else layers} layers, {str(dtype).replace('torch.', '')}"
 
     def read_all(made: DiffusionRunner) -> list[ReadResult]:
-        return results(made.read(reads))
+        """The reads FP8_BATCH at a time: the runner's KV store holds that many prompts at once."""
+        return [result for start in range(0, len(reads), FP8_BATCH)
+                for result in results(made.read(reads[start:start + FP8_BATCH]))]
 
     def runner() -> DiffusionRunner:
         return make_runner(model, processor, device, pieces=False)
