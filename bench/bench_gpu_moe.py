@@ -48,8 +48,8 @@ FP8_SWEEP: list[Tile] = [  # e4m3 tiles: half the bytes a row of K, so longer K 
     (64, 64, 128, 4, 4), (64, 128, 128, 8, 3), (64, 128, 64, 4, 4),
     (128, 128, 128, 8, 3), (128, 128, 64, 8, 4), (128, 256, 128, 8, 3), (128, 128, 128, 4, 4),
 ]
-FP8_DOWN_SWEEP: list[Tile] = [  # the FP8 down kernel's own tiles under its LARGE block_m
-    (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 8, 4), (128, 64, 128, 4, 4),
+FP8_DOWN_SWEEP: list[Tile] = [  # the FP8 down kernel's own tiles under its LARGE block_m (64)
+    (64, 256, 64, 4, 3), (64, 256, 64, 8, 3), (64, 128, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 8, 4),
 ]
 
 

@@ -43,13 +43,14 @@ IMPLEMENTATION = "djev_fp8"  # the name registered in transformers' experts inte
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores (Ada, Hopper and later)
 
 # Tiles by the pairs an expert gets on average, the bf16 kernels' ranges (pairs.warm_up_tokens reads
-# the limits). STARTING POINTS, not measured: BLOCK_K 128 (128 bytes of e4m3 a row, the promotion
-# interval of the FP8 accumulators); to be tuned on the card with bench/bench_gpu_moe.py --weights fp8
-# --sweep, as the bf16 tiles were.
-TILES: Tiles = ((8, BlockConfig(16, 64, 128, 4, 4)), (32, BlockConfig(32, 64, 128, 4, 4)),
+# the limits). From `bench/bench_gpu_moe.py --weights fp8 --tokens 128,2048 --sweep` on an H100
+# (docs/benchmarks.md): at 128 tokens (8 pairs an expert) (16, 128, 128, 4, 4) took 0.559 ms a layer
+# against 0.641 for the first guess; at 2,048 (past 64 pairs an expert) (64, 128, 64, 4, 4) took
+# 2.58 ms against 3.38 for (128, 128, 128, 8, 3). The middle buckets are still first guesses.
+TILES: Tiles = ((8, BlockConfig(16, 128, 128, 4, 4)), (32, BlockConfig(32, 64, 128, 4, 4)),
                 (64, BlockConfig(64, 64, 128, 4, 4)))
-LARGE = BlockConfig(128, 128, 128, 8, 3)
-DOWN_TILES = {LARGE: BlockConfig(128, 256, 64, 8, 3)}  # the down kernel's where they differ (K is I, 704)
+LARGE = BlockConfig(64, 128, 64, 4, 4)
+DOWN_TILES: dict[BlockConfig, BlockConfig] = {}  # the down kernel's where they differ: none measured faster
 
 
 class Banks(NamedTuple):

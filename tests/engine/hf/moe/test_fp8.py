@@ -130,7 +130,8 @@ def test_the_kernels_quantize_rows_bit_for_bit_as_the_reference(interpreted):
 def test_every_fp8_tile_configuration_is_exercised(interpreted):
     cases = interpreted["kernels"]
     assert {case["block_m"] for case in cases} == {c.block_m for _, c in fp8_moe.TILES} | {fp8_moe.LARGE.block_m}
-    assert fp8_moe.DOWN_TILES[fp8_moe.LARGE].block_n in {case["down_block_n"] for case in cases}
+    large_down = fp8_moe.DOWN_TILES.get(fp8_moe.LARGE, fp8_moe.LARGE)  # the down kernel's tiles past 64 pairs
+    assert large_down.block_n in {case["down_block_n"] for case in cases}
     assert sum(case["unused_expert"] for case in cases) >= 6  # an expert no token chose
     assert all(case["tokens"] % 2 == 1 for case in cases)  # odd token counts: partial blocks
 
