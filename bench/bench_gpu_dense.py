@@ -9,7 +9,9 @@ FULL_TEXT_CONFIG: attention q/k/v/o and the dense MLP's gate/up/down), each proj
   fp8 fused   the same compiled with torch.compile (the quantization fused into one kernel, as in
               the compiled layer bodies).
 Printed per count: each way's ms for a turn's 30 layers (25 sliding, 5 full), its ratio to bf16, and
-the weights' bytes read over the GEMM's time (GB/s). Median of CUDA-event timings.
+the weights' bytes read over the GEMM's time (GB/s). Each way's layer is one CUDA graph of its
+projections, replayed (median of CUDA-event timings): without the graph, the GPU waits on the host
+between small GEMMs and the figure is the launches'.
 
     python bench/bench_gpu_dense.py [--tokens 16,128,512,2048,4096] [--json OUT]
 """
@@ -53,32 +55,34 @@ def turn_bytes(config: dict[str, Any], element: int) -> int:
 
 
 def time_layer(tokens: int, shapes: list[tuple[str, int, int]], reps: int) -> dict[str, float]:
-    """Each way's ms for one layer's projections at `tokens` tokens (summed over its projections)."""
+    """Each way's ms for one layer's projections at `tokens` tokens: all of them captured in one CUDA
+    graph per way (as the captured turn runs them, no launch gaps between them) and replayed."""
     import torch
     import torch.nn.functional as F
 
     from app.engine.hf import fp8
     from app.engine.hf.quantize import scaled_mm_linear
+    from bench.naive import captured
 
     fused = torch.compile(scaled_mm_linear, dynamic=False)
-    totals = dict.fromkeys(WAYS, 0.0)
+    calls: dict[str, list[Callable[[], Any]]] = {way: [] for way in WAYS}
     for _, inputs, outputs in shapes:
         x = torch.randn(tokens, inputs, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(outputs, inputs, device="cuda", dtype=torch.bfloat16) * 0.02
         q, scale = fp8.quantize_weight(weight)
         xq, x_scale = fp8.quantize_tokens(x)
-        calls: dict[str, Callable[[], Any]] = {
-            "bf16": lambda: F.linear(x, weight),
-            "fp8 gemm": lambda: torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]
-                xq, q.t(), scale_a=x_scale.unsqueeze(1), scale_b=scale.unsqueeze(0), out_dtype=torch.bfloat16),
-            "fp8 eager": lambda: scaled_mm_linear(x, q, scale),
-            "fp8 fused": lambda: fused(x, q, scale),
-        }
-        for way, call in calls.items():
-            for _ in range(3):  # warm-up (and the compile)
-                call()
-            totals[way] += event_median_ms(call, reps)
-    return totals
+        calls["bf16"].append(lambda x=x, weight=weight: F.linear(x, weight))
+        calls["fp8 gemm"].append(lambda xq=xq, q=q, x_scale=x_scale, scale=scale: torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]
+            xq, q.t(), scale_a=x_scale.unsqueeze(1), scale_b=scale.unsqueeze(0), out_dtype=torch.bfloat16))
+        calls["fp8 eager"].append(lambda x=x, q=q, scale=scale: scaled_mm_linear(x, q, scale))
+        calls["fp8 fused"].append(lambda x=x, q=q, scale=scale: fused(x, q, scale))
+    times = {}
+    for way, layer in calls.items():
+        for call in layer:  # compile (fp8 fused) and warm up outside the capture
+            call()
+        graph, _ = captured(lambda layer=layer: [call() for call in layer])
+        times[way] = event_median_ms(graph.replay, reps)
+    return times
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu_dense needs a GPU")
+    # One compiled function over every shape and token count: one graph each (dynamic=False).
+    torch._dynamo.config.recompile_limit = 256
     print(f"{torch.cuda.get_device_name()}: a turn's dense projections (30 layers), ms; bf16 weights "
           f"{turn_bytes(FULL_TEXT_CONFIG, 2) / 2**30:.2f} GiB, FP8 {turn_bytes(FULL_TEXT_CONFIG, 1) / 2**30:.2f} GiB")
     print(f"{'tokens':>7} " + " ".join(f"{way:>16}" for way in WAYS) + f" {'fp8 gemm GB/s':>14}")
