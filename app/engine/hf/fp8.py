@@ -45,8 +45,15 @@ def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     """`x` [tokens, in] times the FP8 weight (q [out, in], scale [out]) transposed, the activations
     quantized per token: float32 accumulation, rounded once to x's dtype."""
     xq, x_scale = quantize_tokens(x)
+    return quantized_linear(xq, x_scale, q, scale, x.dtype)
+
+
+def quantized_linear(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """`linear` from activations already quantized (`quantize_tokens`' xq, x_scale), rounded once
+    to `dtype`."""
     product = xq.to(torch.float32) @ q.to(torch.float32).T
-    return (product * x_scale.unsqueeze(-1) * scale.to(torch.float32).unsqueeze(0)).to(x.dtype)
+    return (product * x_scale.unsqueeze(-1) * scale.to(torch.float32).unsqueeze(0)).to(dtype)
 
 
 def is_fp8(tensor: torch.Tensor) -> bool:

@@ -7,12 +7,27 @@ accumulates q_x·q_w in fp32, applies the row's and the channel's scales and rou
 dtype; the rest follows the bf16 kernels' roundings (gate and up rounded, then the activation, then
 their product), and the down projection quantizes each pair's product row (width I) the same way.
 
+Where the activations are quantized: each row once. The tokens' rows are quantized by
+`fp8_experts_forward` with `fp8.quantize_tokens` (torch ops) before the custom op, so that inside
+the compiled layer bodies torch.compile fuses that with the norm before it; the op takes e4m3 rows
+and their float32 scales. (Compiled by inductor, that division is Triton's `/`, approximate, unless
+torch._inductor.config.eager_numerics.division_rounding (TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING=1)
+makes it div_rn as eager's: off, a compiled layer's quantized tokens may differ from the reference's
+by a step where a quotient lies within its error of an e4m3 rounding boundary, and a scale by an
+ulp.) Between the two GEMMs one small Triton kernel quantizes each pair's
+product row. (The kernels first quantized inside the GEMMs, in every program of a row block: gate/up
+re-quantized each row for each of its 704 / BLOCK_N column blocks, down for each of its 2816 /
+BLOCK_N, about 6 and 22 times with an exact division per element; measured on an H100 at 2,048
+tokens the FP8 kernels then took 2.58 ms a layer at their best tiles against the bf16 kernels' 1.0,
+and 0.56 against 0.62 at 128 tokens.)
+
 Two paths compute it: `reference_expert_rows`, plain torch (the CPU's path: it has no FP8 matmul),
-and `fp8_expert_rows`, two Triton kernels (app/engine/hf/moe/fp8_kernels.py) that quantize the
-activations inside themselves, CUDA only (compute capability 8.9 or later). Both sit behind one
-torch custom op, picked by the tensors' device, that transformers reaches through `experts_forward`
-under IMPLEMENTATION (`use_fp8_experts`), or through the bf16 kernels' implementation when their
-module holds FP8 banks (app/engine/hf/moe/fused.py). Design: docs/design.md §4.7.
+and `fp8_expert_rows`, Triton kernels (app/engine/hf/moe/fp8_kernels.py: gate/up, the product rows'
+quantization, down), CUDA only (compute capability 8.9 or later); each quantizes the tokens itself
+and shares the rest with the op (`quantized_reference_rows`, `quantized_kernel_rows`). The op, picked
+by the tensors' device, is what transformers reaches through `experts_forward` under IMPLEMENTATION
+(`use_fp8_experts`), or through the bf16 kernels' implementation when their module holds FP8 banks
+(app/engine/hf/moe/fused.py). Design: docs/design.md §4.7.
 """
 
 from __future__ import annotations
@@ -51,6 +66,12 @@ TILES: Tiles = ((8, BlockConfig(16, 128, 128, 4, 4)), (32, BlockConfig(32, 64, 1
                 (64, BlockConfig(64, 64, 128, 4, 4)))
 LARGE = BlockConfig(64, 128, 64, 4, 4)
 DOWN_TILES: dict[BlockConfig, BlockConfig] = {}  # the down kernel's where they differ: none measured faster
+# Those timings are of the kernels that quantized their activations inside themselves; the tiles are
+# not yet measured again with the rows quantized once outside them. `fp8_quantize_kernel`'s shape
+# (QUANTIZE_ROWS rows a program, up to QUANTIZE_WIDTH columns a step) is a first guess, unmeasured.
+QUANTIZE_ROWS = 4
+QUANTIZE_WIDTH = 1024
+QUANTIZE_WARPS = 4
 
 
 class Banks(NamedTuple):
@@ -118,6 +139,27 @@ def check_inputs(hidden_states: torch.Tensor, top_k_index: torch.Tensor, banks: 
                          f"on the experts' device ({banks.gate_up.device})")
 
 
+def check_quantized_inputs(xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype, top_k_index: torch.Tensor,
+                           banks: Banks) -> None:
+    """`check_inputs` for hidden states already quantized (`fp8.quantize_tokens`: e4m3 rows and their
+    float32 scales) from hidden states in `dtype`."""
+    hidden = banks.gate_up.shape[2]
+    if xq.dtype != fp8.E4M3 or xq.dim() != 2 or xq.shape[1] != hidden:
+        raise ValueError(f"the quantized hidden_states are {xq.dtype} {_shape(xq)}, expected {fp8.E4M3} "
+                         f"[tokens, {hidden}]")
+    if x_scale.dtype != torch.float32 or tuple(x_scale.shape) != (xq.shape[0],):
+        raise ValueError(f"the hidden_states' scales are {x_scale.dtype} {_shape(x_scale)}, expected torch.float32 "
+                         f"[{xq.shape[0]}] (one a token)")
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"hidden_states is {dtype}, expected bfloat16, float16 or float32")
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != xq.shape[0] or top_k_index.is_floating_point():
+        raise ValueError(f"top_k_index is {top_k_index.dtype} {_shape(top_k_index)}, expected integer "
+                         f"[{xq.shape[0]}, top_k]")
+    if any(tensor.device != banks.gate_up.device for tensor in (xq, x_scale, top_k_index)):
+        raise ValueError(f"hidden_states ({xq.device}, scales {x_scale.device}) and top_k_index "
+                         f"({top_k_index.device}) must be on the experts' device ({banks.gate_up.device})")
+
+
 def tensor_of(module: object, name: str) -> torch.Tensor | None:
     """`module`'s tensor `name` (a parameter or buffer), None where it has none."""
     value = getattr(module, name, None)
@@ -145,14 +187,23 @@ def reference_products(hidden_states: torch.Tensor, top_k_index: torch.Tensor, g
                        gate_up_scale: torch.Tensor) -> torch.Tensor:
     """The gate/up step, each pair's round(round(gelu_tanh(gate)) x up) [tokens x top_k, I] in the
     hidden states' dtype, gate and up each an FP8 product rounded to that dtype."""
+    xq, x_scale = fp8.quantize_tokens(hidden_states)
+    return quantized_products(xq, x_scale, hidden_states.dtype, top_k_index, gate_up, gate_up_scale)
+
+
+def quantized_products(xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype, top_k_index: torch.Tensor,
+                       gate_up: torch.Tensor, gate_up_scale: torch.Tensor) -> torch.Tensor:
+    """`reference_products` from the tokens already quantized (`fp8.quantize_tokens`' xq, x_scale) of
+    hidden states in `dtype`."""
     top_k = top_k_index.shape[1]
     inter = gate_up.shape[1] // 2
-    dtype = hidden_states.dtype
     flat = top_k_index.reshape(-1)
-    products = hidden_states.new_empty((flat.numel(), inter))
+    products = torch.empty((flat.numel(), inter), dtype=dtype, device=xq.device)
     for expert in flat.unique().tolist():
         pairs = (flat == expert).nonzero().squeeze(1)
-        gate, up = fp8.linear(hidden_states[pairs // top_k], gate_up[expert], gate_up_scale[expert]).split(inter, -1)
+        tokens = pairs // top_k
+        gate, up = fp8.quantized_linear(xq[tokens], x_scale[tokens], gate_up[expert], gate_up_scale[expert],
+                                        dtype).split(inter, -1)
         activated = F.gelu(gate.to(torch.float32), approximate="tanh").to(dtype)
         products[pairs] = (activated.to(torch.float32) * up.to(torch.float32)).to(dtype)
     return products
@@ -176,8 +227,15 @@ def reference_expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     fused.expert_rows), before its routing weight: the FP8 arithmetic in plain torch."""
     banks = check_banks(gate_up, gate_up_scale, down, down_scale)
     check_inputs(hidden_states, top_k_index, banks)
-    products = reference_products(hidden_states, top_k_index, gate_up, gate_up_scale)
-    return reference_down(products, top_k_index, down, down_scale)
+    xq, x_scale = fp8.quantize_tokens(hidden_states)
+    return quantized_reference_rows(xq, x_scale, hidden_states.dtype, top_k_index, banks)
+
+
+def quantized_reference_rows(xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype, top_k_index: torch.Tensor,
+                             banks: Banks) -> torch.Tensor:
+    """`reference_expert_rows` from the tokens already quantized (inputs checked by the caller)."""
+    products = quantized_products(xq, x_scale, dtype, top_k_index, banks.gate_up, banks.gate_up_scale)
+    return reference_down(products, top_k_index, banks.down, banks.down_scale)
 
 
 # ---------------------------------------------------------------------------------------- kernels
@@ -186,38 +244,56 @@ def fp8_expert_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate
                     gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
                     config: BlockConfig | None = None, down_config: BlockConfig | None = None) -> torch.Tensor:
     """`reference_expert_rows` through the Triton kernels, with the tiles given (the bench tries
-    several); None = block_config's. `down_config`, if given, is the down kernel's (same block_m)."""
+    several); None = block_config's. `down_config`, if given, is the down kernel's (same block_m).
+    The tokens are quantized here, as `fp8_experts_forward` does before the op."""
     banks = check_banks(gate_up, gate_up_scale, down, down_scale)
     check_inputs(hidden_states, top_k_index, banks)
-    tokens, hidden = hidden_states.shape
-    experts, double_inter, _ = gate_up.shape
+    xq, x_scale = fp8.quantize_tokens(hidden_states)
+    return quantized_kernel_rows(xq, x_scale, hidden_states.dtype, top_k_index, banks, config, down_config)
+
+
+def quantized_kernel_rows(xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype, top_k_index: torch.Tensor,
+                          banks: Banks, config: BlockConfig | None = None,
+                          down_config: BlockConfig | None = None) -> torch.Tensor:
+    """`fp8_expert_rows` from the tokens already quantized (inputs checked by the caller): gate/up
+    writes the pairs' product rows in `dtype`, `fp8_quantize_kernel` quantizes each once, down reads
+    them in e4m3."""
+    tokens, hidden = xq.shape
+    experts, double_inter, _ = banks.gate_up.shape
     inter = double_inter // 2
     top_k = top_k_index.shape[1]
     total = tokens * top_k
     config, down_config = both_tiles(config or block_config(total, experts), down_config, DOWN_TILES)
     import triton  # pyright: ignore[reportMissingImports]  # optional: Triton
 
-    from app.engine.hf.moe.fp8_kernels import fp8_down_kernel, fp8_gate_up_kernel
+    from app.engine.hf.moe.fp8_kernels import fp8_down_kernel, fp8_gate_up_kernel, fp8_quantize_kernel
     from app.engine.hf.moe.kernels import RUN_INTERPRETED
 
-    x = hidden_states.contiguous()
-    gate_up, gate_up_scale = gate_up.contiguous(), gate_up_scale.contiguous()
-    down, down_scale = down.contiguous(), down_scale.contiguous()
+    xq, x_scale = xq.contiguous(), x_scale.contiguous()
+    gate_up, gate_up_scale = banks.gate_up.contiguous(), banks.gate_up_scale.contiguous()
+    down, down_scale = banks.down.contiguous(), banks.down_scale.contiguous()
+    device = xq.device
     pairs, block_experts = align(top_k_index, experts, config.block_m)
     blocks = block_experts.numel()
-    products = torch.empty((total, inter), dtype=x.dtype, device=x.device)
+    products = torch.empty((total, inter), dtype=dtype, device=device)
     # As in fused.expert_rows: without Triton (.venv) a kernel is its plain function, which takes no [grid].
     fp8_gate_up_kernel[(blocks, triton.cdiv(inter, config.block_n))](  # pyright: ignore[reportIndexIssue]
-        x, gate_up, gate_up_scale, products, pairs, block_experts,
+        xq, x_scale, gate_up, gate_up_scale, products, pairs, block_experts,
         total, hidden, inter, top_k, experts,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), products.stride(0),
+        xq.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), products.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRETED=RUN_INTERPRETED,
         num_warps=config.num_warps, num_stages=config.num_stages)  # pyright: ignore[reportCallIssue]
-    rows = torch.empty((total, hidden), dtype=x.dtype, device=x.device)
+    hq = torch.empty((total, inter), dtype=fp8.E4M3, device=device)
+    h_scale = torch.empty((total,), dtype=torch.float32, device=device)
+    fp8_quantize_kernel[(max(1, triton.cdiv(total, QUANTIZE_ROWS)),)](  # pyright: ignore[reportIndexIssue]
+        products, hq, h_scale, total, inter, products.stride(0), hq.stride(0),
+        BLOCK_M=QUANTIZE_ROWS, BLOCK_K=min(triton.next_power_of_2(inter), QUANTIZE_WIDTH),
+        INTERPRETED=RUN_INTERPRETED, num_warps=QUANTIZE_WARPS)  # pyright: ignore[reportCallIssue]
+    rows = torch.empty((total, hidden), dtype=dtype, device=device)
     fp8_down_kernel[(blocks, triton.cdiv(hidden, down_config.block_n))](  # pyright: ignore[reportIndexIssue]
-        products, down, down_scale, rows, pairs, block_experts,
+        hq, h_scale, down, down_scale, rows, pairs, block_experts,
         total, hidden, inter, experts,
-        products.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), rows.stride(0),
+        hq.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), rows.stride(0),
         BLOCK_M=down_config.block_m, BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
         INTERPRETED=RUN_INTERPRETED,
         num_warps=down_config.num_warps, num_stages=down_config.num_stages)  # pyright: ignore[reportCallIssue]
@@ -231,20 +307,24 @@ _OP: CustomOpDef | None = None
 
 def rows_op() -> CustomOpDef:
     """The pairs' rows as one torch custom op, `djev::fp8_expert_rows`, so torch.compile treats the
-    experts as one opaque call with a known output shape: the kernels for CUDA tensors, the
-    reference for any other device's."""
+    experts as one opaque call with a known output shape. It takes the tokens already quantized
+    (e4m3 [tokens, H], their float32 scales [tokens]) and the dtype of the hidden states they came
+    from, the rows' dtype: the kernels for CUDA tensors, the reference for any other device's."""
     global _OP
     if _OP is None:
-        def rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up: torch.Tensor,
-                 gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
-            path = fp8_expert_rows if hidden_states.is_cuda else reference_expert_rows
-            return path(hidden_states, top_k_index, gate_up, gate_up_scale, down, down_scale)
+        def rows(xq: torch.Tensor, x_scale: torch.Tensor, top_k_index: torch.Tensor, gate_up: torch.Tensor,
+                 gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+            banks = check_banks(gate_up, gate_up_scale, down, down_scale)
+            check_quantized_inputs(xq, x_scale, dtype, top_k_index, banks)
+            path = quantized_kernel_rows if xq.is_cuda else quantized_reference_rows
+            return path(xq, x_scale, dtype, top_k_index, banks)
 
         op = torch.library.custom_op("djev::fp8_expert_rows", mutates_args=())(rows)
 
         @op.register_fake
-        def _(hidden_states, top_k_index, gate_up, gate_up_scale, down, down_scale):  # noqa: ANN001, ANN202
-            return hidden_states.new_empty((top_k_index.numel(), hidden_states.shape[1]))
+        def _(xq, x_scale, top_k_index, gate_up, gate_up_scale, down, down_scale, dtype):  # noqa: ANN001, ANN202
+            return xq.new_empty((top_k_index.numel(), xq.shape[1]), dtype=dtype)
 
         _OP = op
     return _OP
@@ -252,15 +332,19 @@ def rows_op() -> CustomOpDef:
 
 def fp8_experts_forward(module: DiffusionGemmaTextExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
-    """An FP8 experts module's output: its pairs' rows (`rows_op`) times their routing weights, summed."""
+    """An FP8 experts module's output: its tokens quantized once (`fp8.quantize_tokens`, torch ops
+    that torch.compile fuses with what comes before), their pairs' rows (`rows_op`) times their
+    routing weights, summed."""
     banks = module_banks(module)  # the inputs are checked where the op runs (not traced: no shape guards)
-    return weighted_sum(rows_op()(hidden_states, top_k_index, *banks), top_k_weights)
+    xq, x_scale = fp8.quantize_tokens(hidden_states)
+    rows = rows_op()(xq, x_scale, top_k_index, *banks, hidden_states.dtype)
+    return weighted_sum(rows, top_k_weights)
 
 
 def experts_forward(module: DiffusionGemmaTextExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The forward transformers calls under IMPLEMENTATION: FP8 banks through `rows_op`, any other
-    module through transformers' own grouped_mm experts."""
+    """The forward transformers calls under IMPLEMENTATION: FP8 banks through `rows_op` (the tokens
+    quantized before it), any other module through transformers' own grouped_mm experts."""
     if has_fp8_banks(module):
         return fp8_experts_forward(module, hidden_states, top_k_index, top_k_weights)
     from transformers.integrations.moe import grouped_mm_experts_forward

@@ -202,10 +202,10 @@ def compiled_kernels() -> int:
 
     if "triton" not in sys.modules:
         return 0
-    from app.engine.hf.moe.fp8_kernels import fp8_down_kernel, fp8_gate_up_kernel
+    from app.engine.hf.moe.fp8_kernels import fp8_down_kernel, fp8_gate_up_kernel, fp8_quantize_kernel
     from app.engine.hf.moe.kernels import down_kernel, gate_up_kernel
 
-    return jit_compiles(gate_up_kernel, down_kernel, fp8_gate_up_kernel, fp8_down_kernel)
+    return jit_compiles(gate_up_kernel, down_kernel, fp8_gate_up_kernel, fp8_quantize_kernel, fp8_down_kernel)
 
 
 def jit_compiles(*kernels: object) -> int:

@@ -18,28 +18,12 @@ os.environ["TRITON_INTERPRET"] = "1"  # read when Triton's kernels are first def
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from app.engine.hf import fp8  # noqa: E402
 from app.engine.hf.moe import fp8 as fp8_moe  # noqa: E402
-from app.engine.hf.moe.fp8_kernels import quantized, row_scales  # noqa: E402
+from app.engine.hf.moe.fp8_kernels import fp8_quantize_kernel  # noqa: E402
 from app.engine.hf.moe.kernels import RUN_INTERPRETED  # noqa: E402
 from app.engine.hf.moe.pairs import warm_up_tokens  # noqa: E402
-
-
-@triton.jit
-def quantize_kernel(x_ptr, q_ptr, scale_ptr, rows, width, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
-    """The kernels' own per-row quantization (row_scales, then quantized) of `rows` rows, stored."""
-    row = tl.arange(0, BLOCK_M)
-    valid = row < rows
-    scales = row_scales(x_ptr + row[:, None] * width, valid, width, BLOCK_M, BLOCK_K)
-    tl.store(scale_ptr + row, scales, mask=valid)
-    for start in range(0, width, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        mask = valid[:, None] & (ks < width)[None, :]
-        x = tl.load(x_ptr + row[:, None] * width + ks[None, :], mask=mask, other=0.0)
-        tl.store(q_ptr + row[:, None] * width + ks[None, :], quantized(x, scales, INTERPRETED), mask=mask)
 
 
 def e4m3_grid() -> torch.Tensor:
@@ -48,11 +32,23 @@ def e4m3_grid() -> torch.Tensor:
     return values[~values.isnan()]
 
 
+def quantize_rows(x: torch.Tensor, block_m: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x`'s rows through `fp8_quantize_kernel`, `block_m` rows a program: (e4m3 rows, float32 scales)."""
+    q = torch.empty(x.shape, dtype=fp8.E4M3)
+    scales = torch.empty(x.shape[0])
+    fp8_quantize_kernel[(triton.cdiv(x.shape[0], block_m),)](
+        x, q, scales, x.shape[0], x.shape[1], x.stride(0), q.stride(0), BLOCK_M=block_m, BLOCK_K=block_k,
+        INTERPRETED=RUN_INTERPRETED)
+    return q, scales
+
+
 def quantize_case() -> dict:
-    """The kernels' row quantization against app/engine/hf/fp8.py's `quantize_tokens`, bit for bit:
-    random rows over eight decades (bf16 and fp32), a zero row, and rows of scale exactly 1 (their
-    largest value is 448) holding every midpoint between neighbouring e4m3 values (ties, subnormal
-    ones included) and every e4m3 value itself."""
+    """The product rows' quantization kernel (`fp8_quantize_kernel`, as fp8_expert_rows launches it:
+    several programs of rows, the last one partial, the row width in several steps) against
+    app/engine/hf/fp8.py's `quantize_tokens`, bit for bit: random rows over eight decades (bf16 and
+    fp32), a zero row, and rows of scale exactly 1 (their largest value is 448) holding every
+    midpoint between neighbouring e4m3 values (ties, subnormal ones included) and every e4m3 value
+    itself."""
     generator = torch.Generator().manual_seed(1)
     grid = e4m3_grid()
     midpoints = (grid[1:] + grid[:-1]) / 2
@@ -64,18 +60,20 @@ def quantize_case() -> dict:
     random_rows = torch.randn(40, width, generator=generator) * spread * torch.rand(40, width, generator=generator)
     rows = torch.cat([exact_rows, random_rows, torch.zeros(1, width)])
     results = {"ties": int(midpoints.numel() * 2), "subnormal_ties": int((midpoints < 2 ** -6).sum() * 2)}
+    block_m = 8  # 43 rows: six programs, the last with three
     for dtype in (torch.float32, torch.bfloat16):
         x = rows.to(dtype)
-        q = torch.empty(x.shape, dtype=fp8.E4M3)
-        scales = torch.empty(x.shape[0])
-        quantize_kernel[(1,)](x, q, scales, x.shape[0], width, BLOCK_M=triton.next_power_of_2(x.shape[0]),
-                              BLOCK_K=64, INTERPRETED=RUN_INTERPRETED)
+        q, scales = quantize_rows(x, block_m, 64)
         want_q, want_scales = fp8.quantize_tokens(x)
+        narrow = x[:, :200]  # strided rows, a partial last step of columns
+        narrow_q, narrow_scales = quantize_rows(narrow, block_m, 128)
+        want_narrow_q, want_narrow_scales = fp8.quantize_tokens(narrow)
         name = str(dtype).removeprefix("torch.")
         results[name] = {
-            "values": q.numel(),
-            "q_mismatches": int((q.view(torch.uint8) != want_q.view(torch.uint8)).sum()),
-            "scale_mismatches": int((scales != want_scales).sum()),
+            "values": q.numel() + narrow_q.numel(), "rows": x.shape[0], "programs": triton.cdiv(x.shape[0], block_m),
+            "q_mismatches": int((q.view(torch.uint8) != want_q.view(torch.uint8)).sum())
+            + int((narrow_q.view(torch.uint8) != want_narrow_q.view(torch.uint8)).sum()),
+            "scale_mismatches": int((scales != want_scales).sum()) + int((narrow_scales != want_narrow_scales).sum()),
             "zero_row_scale": scales[-1].item(),
         }
     return results

@@ -3,8 +3,9 @@
 The reference (plain torch, the CPU's path) runs here: against the same arithmetic in float64, and
 against the bf16 experts within the bound FP8 costs. The Triton kernels run in Triton's interpreter
 on the CPU, in the CPU vLLM venv (.venv-vllm has Triton), through tests/engine/hf/moe/fp8_checks.py:
-the in-kernel quantization bit for bit, and every tile against the reference. Then the wiring: which
-path a module takes, torch.compile over the op, and every input the FP8 path refuses."""
+the product rows' quantization kernel bit for bit, and every tile against the reference. Then the
+wiring: which path a module takes (its tokens quantized before the op), torch.compile over it, and
+every input the FP8 path refuses."""
 
 from __future__ import annotations
 
@@ -115,14 +116,14 @@ def test_the_checks_ran_in_the_interpreter(interpreted):
 
 
 def test_the_kernels_quantize_rows_bit_for_bit_as_the_reference(interpreted):
-    """Every tie between two e4m3 values (subnormal ones too) and eight decades of random rows, in
-    float32 and bfloat16: the same e4m3 bits and scales as fp8.quantize_tokens, and a row of zeros
-    gets the smallest scale."""
+    """fp8_quantize_kernel over every tie between two e4m3 values (subnormal ones too) and eight
+    decades of random rows, in float32 and bfloat16, several programs of rows: the same e4m3 bits
+    and scales as fp8.quantize_tokens, and a row of zeros gets the smallest scale."""
     quantize = interpreted["quantize"]
     assert quantize["ties"] >= 250 and quantize["subnormal_ties"] >= 14
     for dtype in ("float32", "bfloat16"):
         case = quantize[dtype]
-        assert case["values"] > 10_000
+        assert case["values"] > 10_000 and case["programs"] > 1 and case["rows"] % 8
         assert (case["q_mismatches"], case["scale_mismatches"]) == (0, 0), case
         assert case["zero_row_scale"] == torch.tensor(fp8.MIN_SCALE, dtype=torch.float32).item()
 
@@ -208,8 +209,10 @@ class Spy:
 
 
 def test_an_fp8_module_on_the_cpu_goes_through_the_reference(tiny_model, monkeypatch):
-    spy = Spy(fp8_moe.reference_expert_rows)
-    monkeypatch.setattr(fp8_moe, "reference_expert_rows", spy)
+    """Its tokens quantized before the op, the op's reference from them: the same rows as
+    reference_expert_rows from the hidden states."""
+    spy = Spy(fp8_moe.quantized_reference_rows)
+    monkeypatch.setattr(fp8_moe, "quantized_reference_rows", spy)
     assert quantize_experts(tiny_model) >= 2
     assert fp8_moe.activation_dtype(tiny_model) == torch.float32
     fp8_moe.use_fp8_experts(tiny_model)
@@ -218,8 +221,9 @@ def test_an_fp8_module_on_the_cpu_goes_through_the_reference(tiny_model, monkeyp
     x, index, weights = experts_inputs(module)
     with torch.no_grad():
         out = module(x, index, weights)
-    want = weighted_sum(spy.function(x, index, *fp8_moe.module_banks(module)), weights)
-    assert spy.calls == 1 and torch.equal(out, want)
+    assert spy.calls == 1
+    want = weighted_sum(fp8_moe.reference_expert_rows(x, index, *fp8_moe.module_banks(module)), weights)
+    assert torch.equal(out, want)
     assert out.abs().max().item() > 0.1
 
 
@@ -243,8 +247,8 @@ def test_a_bf16_model_with_fp8_experts_computes_in_bf16(tiny_dir):
 def test_a_bf16_module_under_the_fp8_implementation_keeps_grouped_mm(tiny_model, monkeypatch):
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    spy = Spy(fp8_moe.reference_expert_rows)
-    monkeypatch.setattr(fp8_moe, "reference_expert_rows", spy)
+    spy = Spy(fp8_moe.quantized_reference_rows)
+    monkeypatch.setattr(fp8_moe, "quantized_reference_rows", spy)
     fp8_moe.use_fp8_experts(tiny_model)  # no FP8 module: nothing to refuse
     module = fp8_moe.experts_modules(tiny_model)[0]
     x, index, weights = experts_inputs(module)
@@ -274,8 +278,8 @@ def test_the_tiny_model_reads_every_layer_through_fp8_experts(tiny_model, monkey
     model moves 4 % for a 0.1 % change of its experts' weights.)"""
     from transformers.cache_utils import DynamicCache
 
-    spy = Spy(fp8_moe.reference_expert_rows)
-    monkeypatch.setattr(fp8_moe, "reference_expert_rows", spy)
+    spy = Spy(fp8_moe.quantized_reference_rows)
+    monkeypatch.setattr(fp8_moe, "quantized_reference_rows", spy)
 
     @torch.no_grad()
     def hidden():
@@ -348,6 +352,26 @@ def test_every_malformed_input_is_refused_by_name(message, path):
     (x, index), banks = REFUSED[message](x, index, banks)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         getattr(fp8_moe, path)(x, index, *banks.values())
+
+
+QUANTIZED_REFUSED = {
+    "the quantized hidden_states are torch.float32 [5, 32]": lambda xq, scale, dtype: (xq.float(), scale, dtype),
+    "the quantized hidden_states are torch.float8_e4m3fn [5, 31]": lambda xq, scale, dtype: (xq[:, :31], scale, dtype),
+    "the hidden_states' scales are torch.float32 [4]": lambda xq, scale, dtype: (xq, scale[:4], dtype),
+    "the hidden_states' scales are torch.bfloat16 [5]": lambda xq, scale, dtype: (xq, scale.bfloat16(), dtype),
+    "hidden_states is torch.float64": lambda xq, scale, dtype: (xq, scale, torch.float64),
+}
+
+
+@pytest.mark.parametrize("message", list(QUANTIZED_REFUSED))
+def test_the_op_refuses_malformed_quantized_tokens_by_name(message):
+    """The op takes the tokens quantized (fp8_experts_forward quantizes them before it)."""
+    x, index, banks = valid_case()
+    xq, x_scale, dtype = QUANTIZED_REFUSED[message](*fp8.quantize_tokens(x), x.dtype)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        fp8_moe.rows_op()(xq, x_scale, index, *banks.values(), dtype)
+    with pytest.raises(ValueError, match="top_k_index is torch.int64 \\[4, 2\\]"):
+        fp8_moe.rows_op()(*fp8.quantize_tokens(x), index[:4], *banks.values(), x.dtype)
 
 
 def test_a_module_without_its_scales_is_refused_by_name(tiny_model):
