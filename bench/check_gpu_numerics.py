@@ -26,7 +26,12 @@ top-label margin (top probability less the second) is over MARGIN (at least MIN_
 the FP8 reads' top-label agreement with bf16 on those slots, and the label-probability deviation
 (mean and largest |dp|) of FP8 from bf16 beside the same deviation between djev's kernels and
 grouped_mm in bf16: random routers flip their expert choices on any rounding, so that pair is the
-yardstick of how far two bf16 paths already differ. Each check prints the
+yardstick of how far two bf16 paths already differ. Then both pairs again with the routes pinned
+(`Routes`): the first bf16 run's expert choices, call by call, imposed on every later run, so a pair
+differs by its arithmetic alone (FP8's rounding, or another kernel's), as a trained model's decisive
+routers would keep their choices. Random weights still carry a rounding through every layer's
+attention and MLP (the tiny model in bf16 against float32: 94 % of confident top labels kept with
+free routes, 98 % pinned), so neither pair judges a real checkpoint's agreement. Each check prints the
 largest label log-probability difference of each read and how many slots' top label (the label of
 the highest log-probability) agree. In float32 everything agrees to ~1e-4. In bfloat16 with RANDOM
 weights the paths diverge: the random routers' near-uniform top-8 expert choices flip on any rounding
@@ -175,6 +180,74 @@ def results(outcomes: Sequence[ReadResult | Exception]) -> list[ReadResult]:
     return list(outcomes)  # type: ignore[arg-type]  # (every one a ReadResult, checked above)
 
 
+# ---------------------------------------------------------------------------------------- pinned routes
+
+class Routes:
+    """Every router call's top-k experts, router by router in call order: recorded from one run, then
+    imposed on another run of the same reads in the same turns (the same rows at each call), so the two
+    runs differ by their arithmetic only, never by an expert one of them flips to. An imposed call
+    keeps its own router's probabilities: its top-k weights are its probabilities at the imposed
+    experts, normalised to sum to 1 and scaled per expert, as the library's router weighs its own
+    top k. A run of other turns than the recorded one (another row count at a call, more calls) stops
+    with a ValueError that says which router and call."""
+
+    def __init__(self, model: Any) -> None:
+        from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaTextRouter
+
+        self.routers = [module for module in model.modules() if isinstance(module, DiffusionGemmaTextRouter)]
+        if not self.routers:
+            raise ValueError("the model has no DiffusionGemma text routers to pin")
+        self.recorded: dict[int, list[Any]] = {}  # router index -> its calls' top-k experts (on the host)
+
+    def record(self) -> Any:
+        """A context: every router call's experts kept (what was recorded before is dropped)."""
+        self.recorded = {n: [] for n in range(len(self.routers))}
+
+        def hook(n: int) -> Callable[..., None]:
+            def keep(module: Any, args: Any, output: Any) -> None:
+                self.recorded[n].append(output[2].detach().to("cpu"))
+            return keep
+
+        return self._hooked(hook)
+
+    def impose(self) -> Any:
+        """A context: the n-th call of each router takes the experts recorded at its n-th call."""
+        if not any(self.recorded.values()):
+            raise ValueError("no routes recorded: record a run before imposing its routes")
+        calls = dict.fromkeys(self.recorded, 0)
+
+        def hook(n: int) -> Callable[..., Any]:
+            def pinned(module: Any, args: Any, output: Any) -> Any:
+                probabilities, _, own = output
+                call, recorded = calls[n], self.recorded[n]
+                if call >= len(recorded) or tuple(recorded[call].shape) != tuple(own.shape):
+                    seen = tuple(recorded[call].shape) if call < len(recorded) else "no call"
+                    raise ValueError(f"router {n}, call {call}: the run routes {tuple(own.shape)} where the "
+                                     f"recorded run routed {seen}: pin only the same reads in the same turns")
+                calls[n] = call + 1
+                index = recorded[call].to(own.device)
+                weights = probabilities.gather(-1, index)
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+                return probabilities, weights * module.per_expert_scale[index], index
+            return pinned
+
+        return self._hooked(hook)
+
+    def _hooked(self, hook: Callable[[int], Callable[..., Any]]) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def hooked() -> Any:
+            handles = [router.register_forward_hook(hook(n)) for n, router in enumerate(self.routers)]
+            try:
+                yield self
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+        return hooked()
+
+
 # ---------------------------------------------------------------------------------------- transformers' reads
 
 def reference_read(model: Any, spec: ReadSpec, runner: DiffusionRunner) -> ReadResult:
@@ -306,7 +379,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def check_fp8(args: argparse.Namespace, layers: int, dtype: Any) -> None:
     """--weights fp8: the reads in `dtype` with grouped_mm and with djev's kernels (CUDA), then with
-    the text layers quantized to FP8 in place (see the module); one eager runner at a time."""
+    the text layers quantized to FP8 in place (see the module), each with its own routes and again
+    with the first run's routes pinned; one eager runner at a time."""
     from app.engine.hf.moe.fp8 import use_fp8_experts
     from app.engine.hf.quantize import quantize_model
 
@@ -325,8 +399,18 @@ def check_fp8(args: argparse.Namespace, layers: int, dtype: Any) -> None:
     def runner() -> DiffusionRunner:
         return make_runner(model, processor, device, pieces=False)
 
-    wide = one(runner, read_all, device)  # transformers' experts (grouped_mm on CUDA)
-    kernels = None
+    routes = Routes(model)
+
+    def recorded(made: DiffusionRunner) -> list[ReadResult]:
+        with routes.record():
+            return read_all(made)
+
+    def pinned(made: DiffusionRunner) -> list[ReadResult]:
+        with routes.impose():
+            return read_all(made)
+
+    wide = one(runner, recorded, device)  # transformers' experts (grouped_mm on CUDA); their routes kept
+    kernels = kernels_pinned = None
     if device.type == "cuda":
         from app.engine.hf.moe.fused import use_fused_experts
 
@@ -334,20 +418,28 @@ def check_fp8(args: argparse.Namespace, layers: int, dtype: Any) -> None:
         if reason is not None:
             raise SystemExit(f"--weights fp8: djev's kernels cannot run: {reason}")
         kernels = one(runner, read_all, device)
+        kernels_pinned = one(runner, pinned, device)
     counts = quantize_model(model)
     release(device)
     use_fp8_experts(model)
     quantized = one(runner, read_all, device)
-    served = kernels or wide  # what bf16 serves: djev's kernels on CUDA
-    fp8_line = agreement(served, quantized)
-    print(f"{name}: {len(reads)} reads; FP8: {counts.projections} projections and {counts.experts} layers' experts")
+    quantized_pinned = one(runner, pinned, device)
     wide_name = str(dtype).replace("torch.", "")
-    print(f"  FP8 vs {wide_name} ({'djev kernels' if kernels else 'default experts'})   {fp8_line.line()}")
+    served_name = f"{wide_name} ({'djev kernels' if kernels else 'default experts'})"
+    print(f"{name}: {len(reads)} reads; FP8: {counts.projections} projections and {counts.experts} layers' experts")
+    lines = [(f"FP8 vs {served_name}", agreement(kernels or wide, quantized))]
     if kernels is not None:
-        print(f"  {wide_name} djev kernels vs grouped_mm  {agreement(wide, kernels).line()}")
-    if fp8_line.confident < MIN_CONFIDENT:
-        print(f"  WARNING: {fp8_line.confident} confident slots, fewer than {MIN_CONFIDENT}: give more --reads",
-              flush=True)
+        lines.append((f"{wide_name} djev kernels vs grouped_mm", agreement(wide, kernels)))
+    # Routes pinned: every run takes the first run's experts, so only the arithmetic differs.
+    lines.append((f"FP8 vs {served_name}, routes pinned", agreement(kernels_pinned or wide, quantized_pinned)))
+    if kernels_pinned is not None:
+        lines.append((f"{wide_name} djev kernels vs grouped_mm, routes pinned", agreement(wide, kernels_pinned)))
+    width = max(len(label) for label, _ in lines)
+    for label, found in lines:
+        print(f"  {label:<{width}}  {found.line()}")
+    fewest = min(found.confident for _, found in lines)
+    if fewest < MIN_CONFIDENT:
+        print(f"  WARNING: {fewest} confident slots, fewer than {MIN_CONFIDENT}: give more --reads", flush=True)
 
 
 def check_size(args: argparse.Namespace, layers: int, dtype: Any, frame: bytes) -> None:

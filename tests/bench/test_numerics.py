@@ -124,5 +124,59 @@ def test_the_fp8_check_runs_on_the_tiny_model(capsys):
     check_gpu_numerics.main(["--tiny", "--device", "cpu", "--weights", "fp8", "--reads", "12"])
     out = capsys.readouterr().out
     assert "12 reads; FP8: 41 projections and 6 layers' experts" in out
-    line = next(line for line in out.splitlines() if "FP8 vs float32" in line)
-    assert "over 36 slots" in line and "confident slots" in line
+    free = next(line for line in out.splitlines() if "FP8 vs float32" in line and "pinned" not in line)
+    pinned = next(line for line in out.splitlines() if "FP8 vs float32" in line and "routes pinned" in line)
+    for line in (free, pinned):
+        assert "over 36 slots" in line and "confident slots" in line
+
+
+def tiny_runs(count: int = 4):
+    """The tiny model in float32, its FP8 check's first `count` reads, and a way to read them all
+    through a fresh eager runner (as the check reads them)."""
+    from bench.models import build_model, image_processor, model_config, served_experts
+
+    model = build_model(model_config(True), "cpu", torch.float32, served_experts("cpu"))
+    processor = image_processor(True)
+    reads = check_gpu_numerics.fp8_reads(int(model.config.text_config.vocab_size), count)
+
+    def read_all(specs=reads):
+        made = check_gpu_numerics.make_runner(model, processor, torch.device("cpu"), pieces=False)
+        return check_gpu_numerics.results(made.read(list(specs)))
+
+    return model, reads, read_all
+
+
+def logprobs(results):
+    return [slot.label_logprobs for result in results for canvas in result.slots for slot in canvas]
+
+
+@pytest.mark.timeout(300)
+def test_pinned_routes_are_the_recorded_ones_and_steer_the_experts():
+    model, reads, read_all = tiny_runs()
+    routes = check_gpu_numerics.Routes(model)
+    assert len(routes.routers) == len({id(layer.router) for layer in model.modules() if hasattr(layer, "router")})
+    with pytest.raises(ValueError, match="no routes recorded"):
+        routes.impose()
+    with routes.record():
+        own = read_all()
+    calls = [len(calls) for calls in routes.recorded.values()]
+    assert max(calls) > 0 and all(count in (0, max(calls)) for count in calls)  # every layer run's router, each turn
+    with routes.impose():
+        assert logprobs(read_all()) == logprobs(own)  # its own routes: the same reads, exactly
+    with routes.record():  # the imposing hooks went with their context: a run is free again
+        assert logprobs(read_all()) == logprobs(own)
+    experts = int(model.config.text_config.num_experts)
+    routes.recorded = {n: [(index + 1) % experts for index in calls] for n, calls in routes.recorded.items()}
+    with routes.impose():
+        moved = read_all()
+    assert logprobs(moved) != logprobs(own)  # other experts imposed: other answers
+
+
+@pytest.mark.timeout(300)
+def test_pinning_other_turns_than_the_recorded_stops_with_the_router_and_call():
+    model, reads, read_all = tiny_runs()
+    routes = check_gpu_numerics.Routes(model)
+    with routes.record():
+        read_all(reads[:2])
+    with routes.impose(), pytest.raises(ValueError, match=r"router \d+, call 0: the run routes .* pin only the same"):
+        read_all(reads[2:])
