@@ -13,7 +13,14 @@ in torch), with the FP8 kernels' difference from grouped_mm beside it (what FP8 
 --sweep, every tile configuration of SWEEP (FP8_SWEEP for fp8) is timed too, so the tile choices
 come from a measurement.
 
+At the end, per format and token count (`summary`): the kernels' tiles as served and the fastest
+tried, each against the layer's floor, max(the chosen experts' bytes at --bandwidth-tbs, their math
+at --tflops; twice that for FP8's tensor cores), and whether the fastest is within WITHIN (1.3x) of
+it; then the tiles by rows an expert that those fastest ones make (`proposed_tiles`), in the form of
+the kernels' TILES and LARGE.
+
     python bench/bench_gpu_moe.py [--tokens 32,256,1024,4096,10240] [--weights bf16,fp8] [--sweep] [--json OUT]
+    python bench/bench_gpu_moe.py --weights bf16,fp8 --tokens 16,128,512,1024,2048,4096 --sweep   # 1-256 rows
 """
 
 from __future__ import annotations
@@ -51,6 +58,87 @@ FP8_SWEEP: list[Tile] = [  # e4m3 tiles: half the bytes a row of K, so longer K 
 FP8_DOWN_SWEEP: list[Tile] = [  # the FP8 down kernel's own tiles under its LARGE block_m (64)
     (64, 256, 64, 4, 3), (64, 256, 64, 8, 3), (64, 128, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 8, 4),
 ]
+
+
+WITHIN = 1.3  # the kernels' target: a layer within this of its floor, at every row count (1 to 256 an expert)
+BANDWIDTH_TBS, TFLOPS = 3.0, 650.0  # the floor's memory bandwidth and bf16 math (bench/profile_gpu.py's)
+
+
+def floor_ms(weights: str, tokens: int, experts_chosen: int, bandwidth_tbs: float = BANDWIDTH_TBS,
+             tflops: float = TFLOPS) -> float:
+    """One layer's floor in ms: the chosen experts' bytes at `bandwidth_tbs` TB/s or the pairs' math
+    at `tflops` TFLOP/s (twice that in FP8), whichever is longer."""
+    read = experts_chosen * expert_bytes(weights) / (bandwidth_tbs * 1e12)
+    math = 2 * tokens * TOP_K * 3 * HIDDEN * INTER / (tflops * 1e12 * (2 if weights == "fp8" else 1))
+    return max(read, math) * 1000
+
+
+def summary(rows: Sequence[dict[str, Any]], bandwidth_tbs: float = BANDWIDTH_TBS,
+            tflops: float = TFLOPS) -> list[dict[str, Any]]:
+    """Per format and token count, from the measured rows of djev's kernels (those with a "tile"):
+    the served tiles' ms, the fastest tried (tile, down tile, ms), the floor and each one's ratio to it,
+    and whether the fastest is within WITHIN. Pure."""
+    found: dict[tuple[str, int], dict[str, Any]] = {}
+    for row in rows:
+        if row.get("tile") is None:
+            continue
+        key = (row["weights"], row["tokens"])
+        entry = found.setdefault(key, {
+            "weights": row["weights"], "tokens": row["tokens"], "rows_an_expert": row["tokens"] * TOP_K / EXPERTS,
+            "floor_ms": round(floor_ms(row["weights"], row["tokens"], row["experts_chosen"], bandwidth_tbs, tflops), 4),
+            "served_ms": None, "best": None})
+        if row.get("served"):
+            entry["served_ms"] = row["ms"]
+        if entry["best"] is None or row["ms"] < entry["best"]["ms"]:
+            entry["best"] = {"tile": row["tile"], "down_tile": row["down_tile"], "ms": row["ms"]}
+    out = []
+    for _, entry in sorted(found.items()):
+        best, floor = entry.pop("best"), entry["floor_ms"]
+        served = entry["served_ms"]
+        out.append({**entry, "served_x_floor": round(served / floor, 2) if served else None,
+                    "best_tile": best["tile"], "best_down_tile": best["down_tile"], "best_ms": best["ms"],
+                    "best_x_floor": round(best["ms"] / floor, 2), "within": best["ms"] <= WITHIN * floor})
+    return out
+
+
+def proposed_tiles(entries: Sequence[dict[str, Any]], weights: str) -> tuple[list[tuple[float, Tile, Tile]], tuple[Tile, Tile]]:
+    """From `summary`'s entries of one format: (TILES, LARGE) as the kernels take them, each limit the
+    rows an expert at a measured token count with its fastest (tile, down tile), neighbours with the
+    same tiles merged (the larger limit kept), and the largest count's as LARGE. Pure."""
+    chosen = sorted((entry for entry in entries if entry["weights"] == weights), key=lambda entry: entry["tokens"])
+    if not chosen:
+        raise ValueError(f"no measured kernels for {weights}")
+    buckets: list[tuple[float, Tile, Tile]] = []
+    for entry in chosen[:-1]:
+        tiles = (tuple(entry["best_tile"]), tuple(entry["best_down_tile"]))
+        if buckets and buckets[-1][1:] == tiles:
+            buckets.pop()
+        buckets.append((entry["rows_an_expert"], *tiles))  # type: ignore[arg-type]
+    large = (tuple(chosen[-1]["best_tile"]), tuple(chosen[-1]["best_down_tile"]))
+    while buckets and buckets[-1][1:] == large:
+        buckets.pop()
+    return buckets, large  # type: ignore[return-value]
+
+
+def summary_lines(entries: Sequence[dict[str, Any]]) -> list[str]:
+    """`summary`'s table (markdown) and, per format, the tiles it proposes."""
+    from bench.common import markdown_table
+
+    table = markdown_table(
+        ["weights", "tokens", "rows an expert", "floor ms", "served ms", "x floor", "fastest tile (down)", "ms",
+         "x floor", f"within {WITHIN}x"],
+        [[e["weights"], e["tokens"], f"{e['rows_an_expert']:g}", e["floor_ms"], e["served_ms"] or "-",
+          e["served_x_floor"] or "-",
+          f"{tuple(e['best_tile'])}" + (f" ({tuple(e['best_down_tile'])})" if e["best_down_tile"] != e["best_tile"] else ""),
+          e["best_ms"], e["best_x_floor"], "yes" if e["within"] else "no"] for e in entries])
+    lines = [table]
+    for weights in dict.fromkeys(entry["weights"] for entry in entries):
+        buckets, large = proposed_tiles(entries, weights)
+        lines.append(f"{weights}: fastest tiles by rows an expert: "
+                     + ", ".join(f"<= {limit:g}: {tile}" + (f" / down {down}" if down != tile else "")
+                                 for limit, tile, down in buckets)
+                     + f"; past that: {large[0]}" + (f" / down {large[1]}" if large[1] != large[0] else ""))
+    return lines
 
 
 def weights_list(text: str) -> list[str]:
@@ -94,6 +182,7 @@ def main() -> None:
     from app.engine.hf import fp8
     from app.engine.hf.moe import fp8 as fp8_moe
     from app.engine.hf.moe import fused as fused_moe
+    from app.engine.hf.moe.pairs import both_tiles
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=numbers(int), default="32,256,1024,4096,10240")
@@ -101,6 +190,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--bandwidth-tbs", type=float, default=BANDWIDTH_TBS,
+                        help=f"the floor's memory bandwidth (default {BANDWIDTH_TBS})")
+    parser.add_argument("--tflops", type=float, default=TFLOPS, help=f"the floor's bf16 TFLOP/s (default {TFLOPS:g})")
     args = parser.parse_args()
     torch.manual_seed(0)
     device = torch.device("cuda")
@@ -130,11 +222,16 @@ def main() -> None:
         flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
         library_out = library(x, index, weights)
 
-        def measure(name: str, call: Callable[[], Any], kind: str, reference: Any, **beside: Any) -> dict[str, Any]:
+        def measure(name: str, call: Callable[[], Any], kind: str, reference: Any, tiles: Any = None,
+                    served: bool = False, **beside: Any) -> dict[str, Any]:
+            """Time `call`; `tiles` (gate/up, down BlockConfigs) for djev's kernels, `served` for the
+            tiles the engine picks at this count."""
             replay = graphed(call)
             ms = event_median_ms(replay, args.reps)
             out = replay().float()
             row = {"tokens": tokens, "path": name, "weights": kind, "ms": round(ms, 4), "experts_chosen": chosen,
+                   "tile": list(vars(tiles[0]).values()) if tiles else None,
+                   "down_tile": list(vars(tiles[1]).values()) if tiles else None, "served": served,
                    "GB_per_s": round(chosen * expert_bytes(kind) / ms / 1e6, 1), "TFLOP_per_s": round(flops / ms / 1e9, 1),
                    "max_diff": round((out - reference.float()).abs().max().item(), 5)}
             row.update({key: round((out - other.float()).abs().max().item(), 5) for key, other in beside.items()})
@@ -144,9 +241,9 @@ def main() -> None:
                   f"{row['TFLOP_per_s']:6.1f} TFLOP/s  max diff {row['max_diff']}{extra}", flush=True)
             return row
 
-        def tried(label: str, call: Callable[[], Any], kind: str, reference: Any, **beside: Any) -> None:
+        def tried(label: str, call: Callable[[], Any], kind: str, reference: Any, tiles: Any, **beside: Any) -> None:
             try:
-                measure(f"  {label}", call, kind, reference, **beside)
+                measure(f"  {label}", call, kind, reference, tiles, **beside)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: reported, not fatal
                 print(f"  tokens {tokens:6d}  {label}: failed {type(exc).__name__}: {exc}"[:200], flush=True)
 
@@ -154,25 +251,32 @@ def main() -> None:
         if "bf16" in args.weights:
             config = fused_moe.block_config(tokens * TOP_K, EXPERTS)
             fused = measure(f"djev kernels {tuple(vars(config).values())}", lambda: kernels(x, index, weights),
-                            "bf16", library_out)
+                            "bf16", library_out, both_tiles(config, None, fused_moe.DOWN_TILES), served=True)
             print(f"  tokens {tokens:6d}  kernels / grouped_mm: {fused['ms'] / base['ms']:.2f}x", flush=True)
             if args.sweep:
                 for label, tiles, down_tiles in sweep_tries(config, fused_moe.LARGE, SWEEP, DOWN_SWEEP,
                                                             fused_moe.BlockConfig):
-                    tried(label, lambda c=tiles, d=down_tiles: kernels(x, index, weights, c, d), "bf16", library_out)
+                    tried(label, lambda c=tiles, d=down_tiles: kernels(x, index, weights, c, d), "bf16", library_out,
+                          both_tiles(tiles, down_tiles, fused_moe.DOWN_TILES))
         if "fp8" in args.weights:
             reference = summed(fp8_moe.reference_expert_rows(x, index, *banks), weights)
             config = fp8_moe.block_config(tokens * TOP_K, EXPERTS)
             quantized = measure(f"djev FP8 kernels {tuple(vars(config).values())}",
-                                lambda: fp8_kernels(x, index, weights), "fp8", reference, vs_grouped_mm=library_out)
+                                lambda: fp8_kernels(x, index, weights), "fp8", reference,
+                                both_tiles(config, None, fp8_moe.DOWN_TILES), served=True, vs_grouped_mm=library_out)
             print(f"  tokens {tokens:6d}  FP8 kernels / grouped_mm: {quantized['ms'] / base['ms']:.2f}x", flush=True)
             if args.sweep:
                 for label, tiles, down_tiles in sweep_tries(config, fp8_moe.LARGE, FP8_SWEEP, FP8_DOWN_SWEEP,
                                                             fused_moe.BlockConfig):
                     tried(f"fp8 {label}", lambda c=tiles, d=down_tiles: fp8_kernels(x, index, weights, c, d), "fp8",
-                          reference, vs_grouped_mm=library_out)
+                          reference, both_tiles(tiles, down_tiles, fp8_moe.DOWN_TILES), vs_grouped_mm=library_out)
+    entries = summary(rows, args.bandwidth_tbs, args.tflops)
+    if entries:
+        print(f"\nthe kernels against one layer's floor (max of the chosen experts' bytes at {args.bandwidth_tbs} TB/s, "
+              f"the math at {args.tflops:g} TFLOP/s, twice that in FP8):", flush=True)
+        print("\n".join(summary_lines(entries)), flush=True)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps({"rows": rows, "summary": entries}, indent=1))
 
 
 if __name__ == "__main__":
