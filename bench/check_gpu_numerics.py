@@ -56,11 +56,12 @@ bytes on CUDA, beside the 30-layer model's 47 GiB of weights.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -233,19 +234,15 @@ class Routes:
 
         return self._hooked(hook)
 
-    def _hooked(self, hook: Callable[[int], Callable[..., Any]]) -> Any:
-        import contextlib
-
-        @contextlib.contextmanager
-        def hooked() -> Any:
-            handles = [router.register_forward_hook(hook(n)) for n, router in enumerate(self.routers)]
-            try:
-                yield self
-            finally:
-                for handle in handles:
-                    handle.remove()
-
-        return hooked()
+    @contextlib.contextmanager
+    def _hooked(self, hook: Callable[[int], Callable[..., Any]]) -> Iterator[Routes]:
+        """A context in which router n runs `hook(n)` after its forward."""
+        handles = [router.register_forward_hook(hook(n)) for n, router in enumerate(self.routers)]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 # ---------------------------------------------------------------------------------------- transformers' reads
