@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 from transformers import DiffusionGemmaForBlockDiffusion
 
 from app.engine.hf.parts import decoder_layers, encoder_layers
@@ -18,6 +17,7 @@ from app.engine.hf.runner import DiffusionRunner
 from app.engine.tiny import build_config, build_tokenizer
 from bench.models import build_model
 from bench.workload import Specs
+from tests.memory import cpu_memory
 
 
 def normal_build(config) -> DiffusionGemmaForBlockDiffusion:
@@ -37,16 +37,8 @@ def storages(model: torch.nn.Module) -> dict[int, int]:
 
 
 def build_peak(build) -> tuple[torch.nn.Module, int]:
-    """What `build()` returns, and the most CPU memory torch held at once while it ran (the
-    profiler's allocation and release events, summed in time order)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model = build()
-    events = sorted((event for event in prof.profiler.kineto_results.events() if event.name() == "[memory]"),
-                    key=lambda event: event.start_ns())
-    held = peak = 0
-    for event in events:
-        held += event.nbytes()
-        peak = max(peak, held)
+    """What `build()` returns, and the most CPU memory torch held at once while it ran."""
+    model, _, peak = cpu_memory(build)
     return model, peak
 
 

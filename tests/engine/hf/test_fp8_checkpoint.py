@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from app.engine.hf import fp8
 from app.engine.hf.checkpoint_fp8 import CheckpointFormatError, load_fp8_checkpoint
@@ -34,6 +33,7 @@ from tests.engine.hf.fp8_support import (
     write_fp8_checkpoint,
     yes_probabilities,
 )
+from tests.memory import cpu_memory
 
 EXPERT = re.compile(r"model\.decoder\.layers\.(\d+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
@@ -123,14 +123,7 @@ def test_the_load_allocates_the_model_and_nothing_wide(fp8_dir):
     """What stays allocated is the model's own bytes, and at its peak the load held those and the
     shard safetensors maps while it is read (host memory, on CUDA too), nothing more: no wide copy of
     any weight, no bank assembled beside the model's."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model = load_fp8_checkpoint(fp8_dir, torch.device("cpu"), torch.float32)
-    events = sorted((event for event in prof.profiler.kineto_results.events() if event.name() == "[memory]"),
-                    key=lambda event: event.start_ns())
-    held = peak = 0
-    for event in events:
-        held += event.nbytes()
-        peak = max(peak, held)
+    model, held, peak = cpu_memory(lambda: load_fp8_checkpoint(fp8_dir, torch.device("cpu"), torch.float32))
     own = unique_bytes(model)
     assert held == own
     assert peak <= own + (fp8_dir / "model.safetensors").stat().st_size
